@@ -1,0 +1,13 @@
+"""`roseinfer bench ...`: benchmarks that print ratios against a peer measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    from roseinfer.bench import offline
+
+    bench = commands.add_parser("bench", help="benchmarks (offline throughput, ...)")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    offline.add_parser(kinds)

@@ -1,0 +1,144 @@
+"""Rendering a model's own jinja chat template, sandboxed, with the same output as transformers.
+
+Chat templates ship with model files, so they are untrusted code: they run in jinja's immutable
+sandbox, which refuses `__class__`-style attribute access and mutating the inputs.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+def render_chat_template(
+    template: str,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    **extra: Any,
+) -> str:
+    """`template` rendered for `messages`; template problems and bad messages raise ValueError."""
+    if not isinstance(template, str):
+        raise ValueError(f"a chat template must be a string, got {type(template).__name__}")
+    variables: dict[str, Any] = {
+        "messages": normalize_messages(messages),
+        "add_generation_prompt": add_generation_prompt,
+        # Templates test `tools is not none`; an undefined name would pass that test.
+        "tools": None,
+        "documents": None,
+    }
+    # A missing special token stays undefined (renders as ""), never the string "None".
+    variables.update((k, v) for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v is not None)
+    variables.update(extra)
+    compiled = _compile(template)
+    try:
+        return compiled.render(variables)
+    except ValueError:  # raise_exception() in the template, already a clear message
+        raise
+    except SecurityError as exc:
+        raise ValueError(f"chat template tried an operation the sandbox forbids: {exc}") from exc
+    except Exception as exc:  # the template's own bugs: undefined names, type errors, ...
+        raise ValueError(f"chat template failed to render: {type(exc).__name__}: {exc}") from exc
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Checked copies of the messages, with list-of-parts content joined into one string."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+    normalized = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{index}] must be an object, got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{index}] needs a 'role' string (e.g. 'user')")
+        # Like transformers: keys set to None are dropped, templates handle a missing key better.
+        copy = {key: value for key, value in message.items() if value is not None}
+        content = message.get("content")
+        if isinstance(content, list):
+            copy["content"] = _join_text_parts(content, index)
+        elif content is None:
+            # An assistant turn that only calls tools has no content; anything else needs some.
+            if not message.get("tool_calls"):
+                raise ValueError(f"messages[{index}] ({role}) needs a 'content' string")
+        elif not isinstance(content, str):
+            raise ValueError(
+                f"messages[{index}]['content'] must be a string or a list of text parts, "
+                f"got {type(content).__name__}"
+            )
+        normalized.append(copy)
+    return normalized
+
+
+def _join_text_parts(parts: list[Any], index: int) -> str:
+    texts = []
+    for part in parts:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(
+                f"messages[{index}]['content'] has a part of type {kind!r}; only "
+                "{'type': 'text', 'text': ...} parts are supported"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+# -- the jinja environment ------------------------------------------------------------------------
+
+
+def _raise_exception(message: Any) -> None:
+    # Templates call this to reject a conversation (e.g. roles not alternating).
+    raise ValueError(f"chat template error: {message}")
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None,
+    separators: tuple[str, str] | None = None, sort_keys: bool = False,
+) -> str:
+    # jinja's own tojson HTML-escapes <, >, & and ' — wrong for prompts, and not what models saw.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering
+    a prompt only needs its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[Any]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    try:
+        return _environment().from_string(template)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"chat template has a syntax error (line {exc.lineno}): {exc.message}") from exc
+    except TemplateError as exc:
+        raise ValueError(f"chat template cannot be compiled: {exc}") from exc

@@ -1,0 +1,120 @@
+"""Engine and model configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from roseinfer.errors import InvalidRequestError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class ModelConfig:
+    """The architecture hyper-parameters a model implementation needs, whatever file they came from."""
+
+    architecture: str  # "llama" (Llama, Mistral, SmolLM, Qwen2, Qwen3) or "gpt2"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: biases on q, k, v
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    name: str = ""
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine is built from. Field names follow vLLM's engine arguments."""
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    tokenizer: str | None = None  # a directory; needed for the seed's bare checkpoints
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    block_size: int = 16
+    kv_cache_memory: float | None = None  # GiB for the KV pool; default below
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's context length
+    seed: int = 0
+    served_model_name: str | None = None
+
+    DEFAULT_KV_CACHE_GIB = 2.0
+
+    def __post_init__(self) -> None:
+        def bad(param: str, message: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param} {message}", param=param)
+
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise bad("block_size", f"must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise bad("kv_cache_memory", f"must be > 0 GiB, got {self.kv_cache_memory}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise bad("num_kv_blocks", f"must be at least 1, got {self.num_kv_blocks}")
+        if self.max_num_seqs < 1:
+            raise bad("max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise bad(
+                "max_num_batched_tokens", f"must be at least 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise bad("max_model_len", f"must be at least 2, got {self.max_model_len}")
+        if self.dtype not in ("auto", *_DTYPES):
+            raise bad("dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        self.torch_device  # noqa: B018 - validates the device string early
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments, rejecting unknown names with the list of known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown engine argument(s) {unknown}; known: {sorted(known)}", param=unknown[0]
+            )
+        return cls(**kwargs)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as exc:
+            raise InvalidRequestError(f"device {self.device!r} is not a valid device", "device") from exc
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidRequestError("device 'cuda' was asked for but CUDA is not available", "device")
+        if device.type not in ("cpu", "cuda"):
+            raise InvalidRequestError(f"device must be cpu or cuda, got {self.device!r}", "device")
+        return device
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            # bf16 where the hardware is made for it, exact fp32 on the CPU.
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]

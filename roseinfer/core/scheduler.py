@@ -1,0 +1,161 @@
+"""Continuous batching in the style of vLLM v1: one token budget per step, no separate prefill and
+decode phases. Each request gets `num_tokens - num_computed_tokens` new tokens (capped by what is
+left of the budget, so long prompts are prefilled in chunks that share steps with decodes).
+
+It knows requests and blocks, never tensors: it tells the model runner which requests run this step
+and how many tokens each, and the KV cache manager where their blocks are.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from roseinfer.core.kv_cache_manager import BlockCopy, KVCacheManager
+from roseinfer.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The step's batch: requests in order, how many new tokens each, and block copies to do first."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    blocks_to_copy: list[BlockCopy] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    max_batch_requests: int = 0  # the most requests run together in one step
+    max_batch_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+
+    # -- queues ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stopped, length, aborted, error): leave the queues, free its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.free(request.request_id)
+
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # Running requests first, oldest first; preempt from the newest end when blocks run out.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                break  # the request itself was preempted: nothing after it is left running
+            out.requests.append(request)
+            out.num_new_tokens.append(num_new)
+            budget -= num_new
+            index += 1
+
+        # Then waiting requests, in arrival order, while seats, budget and blocks allow.
+        # After a preemption nothing new is admitted: the pool is already too tight.
+        while (
+            not out.preempted
+            and self.waiting
+            and len(self.running) < self.max_num_seqs
+            and budget > 0
+        ):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv_cache.allocate_slots(
+                request.request_id, request.num_computed_tokens, num_new
+            ):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.requests.append(request)
+            out.num_new_tokens.append(num_new)
+            budget -= num_new
+
+        out.blocks_to_copy = self.kv_cache.take_pending_copies()
+        if out.requests:
+            self.stats.num_steps += 1
+            self.stats.max_batch_requests = max(self.stats.max_batch_requests, len(out.requests))
+            self.stats.max_batch_tokens = max(self.stats.max_batch_tokens, out.total_tokens)
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv_cache.allocate_slots(
+            request.request_id, request.num_computed_tokens, num_new
+        ):
+            victim = self.running.pop()  # the newest running request
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks; it waits at the front and is recomputed from scratch later."""
+        self.kv_cache.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_after_step(self, out: SchedulerOutput) -> list[Request]:
+        """Record the computed tokens; returns the requests that are caught up and get a sample."""
+        caught_up = []
+        for request, num_new in zip(out.requests, out.num_new_tokens, strict=True):
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens:
+                caught_up.append(request)
+        return caught_up
+
+    def stuck_request(self) -> Request | None:
+        """A waiting request that can never run: nothing is running to free blocks for it."""
+        if self.waiting and not self.running:
+            return self.waiting[0]
+        return None

@@ -1,0 +1,17 @@
+"""Exceptions that name what was wrong, for callers and the CLI to show as they are."""
+
+
+class RoseInferError(Exception):
+    """Base class of roseinfer's own errors."""
+
+
+class ModelLoadError(RoseInferError, ValueError):
+    """The model path, file format, architecture or tensor type cannot be used."""
+
+
+class InvalidRequestError(RoseInferError, ValueError):
+    """A request or sampling parameter is invalid; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

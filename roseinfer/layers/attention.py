@@ -1,0 +1,139 @@
+"""Paged attention over a flattened batch.
+
+The batch holds decode tokens first (one query token per request), then prefill chunks. New keys
+and values are written into the pool at `slot_mapping`; each request then attends to its own
+blocks, found through its block table. The pool of one layer is a tensor
+`[2, num_blocks, block_size, num_kv_heads, head_dim]` (keys, values).
+
+`AttentionMetadata` is built once per step by the model runner and shared by every layer. The
+math lives behind `PagedAttention.forward`, a small interface that another backend (a fused CPU
+kernel, a CUDA kernel) can replace without touching the model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillChunk:
+    """One request's run of query tokens (a prompt or a chunk of it, or a recomputation)."""
+
+    query_start: int  # offset in the flattened batch
+    query_len: int
+    num_cached: int  # tokens of this request already in the cache before this chunk
+    block_ids: torch.Tensor  # [num_blocks] the request's block table, covering all its tokens
+    mask: torch.Tensor | None = None  # [query_len, num_cached + query_len] when num_cached > 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes in the pool
+    num_decode_tokens: int = 0  # the batch's first tokens, one per decoding request
+    decode_block_ids: torch.Tensor | None = None  # [num_decodes * max_blocks] flattened tables
+    decode_max_blocks: int = 0
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def causal_mask_with_prefix(num_cached: int, query_len: int, device: torch.device) -> torch.Tensor:
+    """Query i (at position num_cached + i) may see keys 0 .. num_cached + i."""
+    keys = torch.arange(num_cached + query_len, device=device)
+    queries = torch.arange(query_len, device=device) + num_cached
+    return keys[None, :] <= queries[:, None]
+
+
+def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store the step's new keys and values at their slots."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    slots = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    slots[0].index_copy_(0, slot_mapping, k)
+    slots[1].index_copy_(0, slot_mapping, v)
+
+
+def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, kv_heads, dim] pool -> the listed blocks, one whole block per row.
+
+    Copying whole blocks (a few KiB each) is several times faster than gathering token slots.
+    """
+    block_size, num_kv_heads, head_dim = pool.shape[1:]
+    rows = pool.view(pool.shape[0], -1).index_select(0, block_ids)
+    return rows.view(-1, num_kv_heads, head_dim)  # [len(block_ids) * block_size, kv_heads, dim]
+
+
+class PagedAttention(nn.Module):
+    """Attention of the step's queries over each request's cached keys and values (plain PyTorch)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} heads cannot share {num_kv_heads} KV heads evenly")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = scale
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        write_kv(kv_cache, meta.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        num_decodes = meta.num_decode_tokens
+        if num_decodes:
+            out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, meta)
+        for chunk in meta.prefills:
+            end = chunk.query_start + chunk.query_len
+            out[chunk.query_start : end] = self._prefill(
+                q[chunk.query_start : end], k[chunk.query_start : end], v[chunk.query_start : end],
+                kv_cache, chunk,
+            )
+        return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        batch = q.shape[0]
+        keys = gather_blocks(kv_cache[0], meta.decode_block_ids).view(
+            batch, -1, self.num_kv_heads, self.head_dim
+        )
+        values = gather_blocks(kv_cache[1], meta.decode_block_ids).view(
+            batch, -1, self.num_kv_heads, self.head_dim
+        )
+        # One query token per request: the heads sharing a KV head become that head's query rows,
+        # so grouped-query attention needs no copies of K and V.
+        grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            grouped, keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=meta.decode_mask, scale=self.scale,
+        )
+        return out.reshape(batch, self.num_heads, self.head_dim)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        chunk: PrefillChunk,
+    ) -> torch.Tensor:
+        if chunk.num_cached == 0:
+            # The whole context is in this chunk: attend to the fresh keys, causally.
+            keys, values, mask, causal = k, v, None, True
+        else:
+            context = chunk.num_cached + chunk.query_len
+            keys = gather_blocks(kv_cache[0], chunk.block_ids)[:context]
+            values = gather_blocks(kv_cache[1], chunk.block_ids)[:context]
+            mask, causal = chunk.mask, False
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.group > 1,
+        )
+        return out.transpose(0, 1)

@@ -1,0 +1,79 @@
+"""Reading a GGUF file: its metadata as plain Python values and its tensors as torch tensors."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from roseinfer.errors import ModelLoadError
+
+# Types roseinfer dequantizes on load; anything else gets a clear error.
+SUPPORTED_TENSOR_TYPES = frozenset(
+    GGMLQuantizationType[name]
+    for name in (
+        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    )
+)
+
+
+class GGUFFile:
+    """A GGUF file opened with the `gguf` package (memory-mapped, nothing copied until asked)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self._reader = GGUFReader(str(self.path))
+        except Exception as exc:  # gguf raises ValueError/struct errors on bad files
+            raise ModelLoadError(f"{self.path} is not a readable GGUF file: {exc}") from exc
+        self._tensors = {t.name: t for t in self._reader.tensors}
+
+    @cached_property
+    def metadata(self) -> dict[str, Any]:
+        """Every key/value pair: strings as str, numbers as int/float, arrays as lists."""
+        values: dict[str, Any] = {}
+        for key, field in self._reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            values[key] = field.contents()
+        return values
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor_type(self, name: str) -> GGMLQuantizationType:
+        return GGMLQuantizationType(self._tensors[name].tensor_type)
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """The shape in PyTorch order (GGUF lists the fastest-moving dimension first)."""
+        return tuple(int(d) for d in reversed(self._tensors[name].shape))
+
+    def load_tensor(self, name: str) -> torch.Tensor:
+        """The tensor dequantized to float32, in PyTorch shape order."""
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        if qtype not in SUPPORTED_TENSOR_TYPES:
+            supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
+            raise ModelLoadError(
+                f"{self.path}: tensor {name!r} is stored as GGML type {qtype.name}, "
+                f"which roseinfer cannot load (supported: {supported})"
+            )
+        values = dequantize(tensor.data, qtype)
+        # A writable copy: F32 tensors come back as read-only views of the memory map.
+        array = np.array(values, dtype=np.float32, copy=True).reshape(self.tensor_shape(name))
+        return torch.from_numpy(array)

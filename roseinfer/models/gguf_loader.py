@@ -1,0 +1,150 @@
+"""GGUF (llama.cpp's format) -> ModelConfig and Hugging Face-named float tensors.
+
+llama.cpp's converter permutes the rows of Llama q/k weights for its interleaved rotary layout;
+we undo that so one model implementation serves GGUF and Hugging Face checkpoints alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from roseinfer.config import ModelConfig
+from roseinfer.errors import ModelLoadError
+from roseinfer.models.gguf_file import GGUFFile
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "gpt2")
+_PERMUTED_QK = ("llama", "mistral")
+
+_LLAMA_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LLAMA_GLOBAL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GPT2_NAMES = {
+    "attn_norm": "ln_1",
+    "attn_qkv": "attn.c_attn",
+    "attn_output": "attn.c_proj",
+    "ffn_norm": "ln_2",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
+_GPT2_GLOBAL = {
+    "token_embd": "transformer.wte",
+    "position_embd": "transformer.wpe",
+    "output_norm": "transformer.ln_f",
+    "output": "lm_head",
+}
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's row permutation of q/k (interleaved pairs -> rotate-half halves)."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
+    meta = gguf.metadata
+    arch = gguf.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{gguf.path}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def key(name: str, default=None):
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"{gguf.path}: metadata key {arch}.{name} is missing")
+        return value
+
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    vocab_size = int(meta.get(f"{arch}.vocab_size") or len(tokens) or gguf.tensor_shape("token_embd.weight")[0])
+    eos = [
+        int(meta[k])
+        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        if k in meta
+    ]
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_layers=int(key("block_count")),
+        num_heads=heads,
+        intermediate_size=int(key("feed_forward_length")),
+        max_position_embeddings=int(key("context_length")),
+        tie_word_embeddings=not gguf.has_tensor("output.weight"),
+        eos_token_ids=list(dict.fromkeys(eos)),
+        name=str(meta.get("general.name") or gguf.path.stem),
+    )
+    if arch == "gpt2":
+        return ModelConfig(
+            architecture="gpt2",
+            num_kv_heads=heads,
+            head_dim=hidden // heads,
+            norm_eps=float(key("attention.layer_norm_epsilon", 1e-5)),
+            hidden_act="gelu_new",
+            **common,
+        )
+    scaling = None
+    if gguf.has_tensor("rope_freqs.weight"):
+        factors = gguf.load_tensor("rope_freqs.weight").tolist()
+        scaling = {"rope_type": "freq_factors", "factors": factors}
+    elif meta.get(f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    return ModelConfig(
+        architecture="llama",
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        attention_bias=gguf.has_tensor("blk.0.attn_q.bias"),
+        qk_norm=gguf.has_tensor("blk.0.attn_q_norm.weight"),
+        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+        **common,
+    )
+
+
+def gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor, dequantized to float32, under its Hugging Face name."""
+    arch = gguf.architecture
+    per_layer, global_names = (_GPT2_NAMES, _GPT2_GLOBAL) if arch == "gpt2" else (_LLAMA_NAMES, _LLAMA_GLOBAL)
+    layer_prefix = "transformer.h" if arch == "gpt2" else "model.layers"
+    for name in gguf.tensor_names():
+        if name == "rope_freqs.weight":
+            continue  # part of the rotary scaling in the config
+        stem, _, suffix = name.rpartition(".")  # suffix: weight | bias
+        parts = stem.split(".")
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in per_layer:
+            hf_name = f"{layer_prefix}.{parts[1]}.{per_layer[parts[2]]}.{suffix}"
+            module = parts[2]
+        elif stem in global_names:
+            hf_name, module = f"{global_names[stem]}.{suffix}", stem
+        else:
+            raise ModelLoadError(f"{gguf.path}: unexpected tensor {name!r} for architecture {arch!r}")
+        tensor = gguf.load_tensor(name)
+        if arch in _PERMUTED_QK and module in ("attn_q", "attn_k"):
+            heads = config.num_heads if module == "attn_q" else config.num_kv_heads
+            tensor = unpermute_qk(tensor, heads)
+        if arch == "gpt2" and suffix == "weight" and module in ("attn_qkv", "attn_output", "ffn_up", "ffn_down"):
+            tensor = tensor.t()  # Hugging Face's GPT-2 keeps these as Conv1D [in, out]
+        yield hf_name, tensor
+

@@ -1,0 +1,121 @@
+"""Resolving `--model` to a file or directory on disk and loading model + tokenizer from it.
+
+Never downloads: a model is the default GGUF, a GGUF file, a Hugging Face directory, or the seed's
+checkpoint file with a tokenizer directory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from roseinfer.config import ModelConfig
+from roseinfer.errors import ModelLoadError
+from roseinfer.models.default_model import DEFAULT_MODEL_NAME, default_model_path
+from roseinfer.models.gguf_file import GGUFFile
+from roseinfer.models.gguf_loader import gguf_weights, model_config_from_gguf
+from roseinfer.models.hf_config import model_config_from_hf
+from roseinfer.models.registry import build_model
+from roseinfer.models.seed_checkpoint import load_seed_checkpoint, seed_weights
+from roseinfer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: Tokenizer
+    name: str  # what /v1/models shows by default
+
+
+def _is_gguf(path: Path) -> bool:
+    if path.suffix.lower() == ".gguf":
+        return True
+    with path.open("rb") as handle:
+        return handle.read(4) == b"GGUF"
+
+
+def _safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, handle.get_tensor(name)
+        return
+    bins = sorted(directory.glob("pytorch_model*.bin"))
+    if not bins:
+        raise ModelLoadError(f"{directory}: no *.safetensors (or pytorch_model*.bin) weights found")
+    for file in bins:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def load_model(
+    model: str | None,
+    tokenizer: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LoadedModel:
+    if model is None:
+        path, name = default_model_path(), DEFAULT_MODEL_NAME
+    else:
+        path = Path(model).expanduser()
+        name = path.stem if path.is_file() else path.name
+        if not path.exists():
+            raise ModelLoadError(
+                f"model {model!r} not found: pass a GGUF file, a local Hugging Face model directory "
+                "(config.json + *.safetensors + tokenizer.json), or omit --model for the default "
+                f"model; roseinfer never downloads from a model hub"
+            )
+    tokenizer_dir = Path(tokenizer).expanduser() if tokenizer else None
+    if tokenizer_dir is not None and not tokenizer_dir.is_dir():
+        raise ModelLoadError(f"tokenizer directory {tokenizer!r} not found")
+
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) != 1:
+                raise ModelLoadError(
+                    f"{path} is neither a Hugging Face model directory (no config.json) "
+                    "nor a directory holding exactly one .gguf file"
+                )
+            path = ggufs[0]
+        else:
+            config = model_config_from_hf(path)
+            tok = Tokenizer.from_pretrained_dir(tokenizer_dir or path)
+            weights = _safetensors_weights(path)
+            return LoadedModel(build_model(config, weights, device, dtype), config, tok, name)
+
+    if _is_gguf(path):
+        gguf = GGUFFile(path)
+        config = model_config_from_gguf(gguf)
+        tok = Tokenizer.from_pretrained_dir(tokenizer_dir) if tokenizer_dir else Tokenizer.from_gguf_metadata(gguf.metadata)
+        built = build_model(config, gguf_weights(gguf, config), device, dtype)
+        return LoadedModel(built, config, tok, name)
+
+    if path.suffix.lower() in _CHECKPOINT_SUFFIXES:
+        if tokenizer_dir is None:
+            raise ModelLoadError(
+                f"{path} is a bare checkpoint: pass its tokenizer directory with "
+                "--tokenizer-name/--tokenizer (a directory with tokenizer.json or vocab.json + merges.txt)"
+            )
+        config, state_dict = load_seed_checkpoint(path)
+        tok = Tokenizer.from_pretrained_dir(tokenizer_dir)
+        config.eos_token_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        built = build_model(config, seed_weights(state_dict), device, dtype)
+        return LoadedModel(built, config, tok, name)
+
+    raise ModelLoadError(
+        f"{path}: unrecognised model file (expected .gguf, a Hugging Face directory, or a "
+        f"{'/'.join(_CHECKPOINT_SUFFIXES)} checkpoint)"
+    )

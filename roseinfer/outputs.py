@@ -1,0 +1,58 @@
+"""What callers get back: vLLM-shaped final outputs and per-step deltas for streaming."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's log-probability and, optionally, the top alternatives at that step."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+@dataclass
+class OutputDelta:
+    """What one engine step produced for one sequence: new tokens and the text they completed.
+
+    `text` never splits a multi-byte character and never contains a stop string. When `finished`,
+    this is the sequence's last delta and `finish_reason` says why.
+    """
+
+    request_id: int  # the group id the caller knows
+    index: int
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+    output: RequestOutput | None = None  # set on the delta that finishes the whole request

@@ -1,0 +1,554 @@
+"""Text <-> token ids with Hugging Face's `tokenizers`, built from GGUF metadata or a model directory.
+
+The BPE itself always runs in the Rust library; this module only assembles the right pipeline
+(vocabulary, merges, pre-tokenizer, decoder, special tokens) for a model, so that `encode` gives
+the ids the model was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+from roseinfer.chat_template import render_chat_template
+from roseinfer.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# GGUF token types (llama.cpp's `llama_token_type`).
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+_ADDED_TYPES = frozenset({TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED})
+
+_SPECIAL_NAMES = ("bos", "eos", "unk", "pad")
+_GGUF_SPECIAL_ID_KEYS = {
+    "bos": "tokenizer.ggml.bos_token_id",
+    "eos": "tokenizer.ggml.eos_token_id",
+    "unk": "tokenizer.ggml.unknown_token_id",
+    "pad": "tokenizer.ggml.padding_token_id",
+}
+
+# Split regexes of the byte-level BPE families, as in each family's own tokenizer.json.
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_LLAMA3_SPLIT = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_GPT4O_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# `tokenizer.ggml.pre` -> how llama.cpp (llama-vocab.cpp) splits text before BPE. "gpt2" is the
+# GPT-2 regex of the ByteLevel pre-tokenizer; "digits" splits every digit off first, then GPT-2.
+_PRE_TOKENIZER_FAMILIES: dict[str, tuple[str, ...]] = {
+    "gpt2": (
+        "default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling",
+        "exaone4", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de", "jina-v1-en", "jina-v2-code",
+        "roberta-bpe", "gigachat", "a.x-4.0", "mellum", "modern-bert",
+    ),
+    "digits": (
+        "smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b", "mellum2",
+    ),
+    "llama3": (
+        "llama3", "llama-bpe", "llama-v3", "smaug-bpe", "falcon3", "falcon-h1", "dbrx", "pixtral",
+        "midm-2.0", "lfm2", "jina-v5-nano", "glm4", "chatglm-bpe",
+    ),
+    "qwen2": (
+        "qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open",
+    ),
+    "qwen35": ("qwen35",),
+    "gpt4o": ("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"),
+    "tekken": ("tekken",),
+}
+_PRE_TO_FAMILY = {pre: family for family, names in _PRE_TOKENIZER_FAMILIES.items() for pre in names}
+_FAMILY_SPLITS = {
+    "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "qwen35": _QWEN35_SPLIT,
+    "gpt4o": _GPT4O_SPLIT, "tekken": _TEKKEN_SPLIT,
+}
+# llama.cpp matches a whole pre-token against the vocabulary before merging for these families
+# (the same as `ignore_merges` in their tokenizer.json), and adds BOS when the file does not say.
+_IGNORE_MERGES_FAMILIES = frozenset({"llama3", "tekken"})
+_ADD_BOS_FAMILIES = frozenset({"llama3", "tekken"})
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus what a model's configuration says around it."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        unk_token: str | None = None,
+        pad_token: str | None = None,
+        clean_up_tokenization_spaces: bool = False,
+        vocab_size: int | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+    ) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        # Ids given explicitly (GGUF metadata) win over looking the strings up.
+        self.bos_token_id = bos_token_id if bos_token_id is not None else _token_id(backend, bos_token)
+        self.eos_token_id = eos_token_id if eos_token_id is not None else _token_id(backend, eos_token)
+        self._template_tokens = {
+            f"{name}_token": token
+            for name, token in zip(_SPECIAL_NAMES, (bos_token, eos_token, unk_token, pad_token), strict=True)
+            if token is not None
+        }
+        # What encode(add_special_tokens=True) really does, whatever the config files claimed.
+        probe = backend.encode("", add_special_tokens=True).ids
+        self.add_bos_token = bool(probe) and self.bos_token_id is not None and probe[0] == self.bos_token_id
+        self.vocab_size = max(vocab_size or 0, backend.get_vocab_size(with_added_tokens=True))
+        # The ids decode(skip_special_tokens=True) drops, plus the named BOS/EOS/UNK/PAD.
+        special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
+        named = [_token_id(backend, token) for token in self._template_tokens.values()]
+        special.update(i for i in (*named, self.bos_token_id, self.eos_token_id) if i is not None)
+        self.all_special_ids = frozenset(special)
+        # transformers >= 5 ignores clean_up_tokenization_spaces for BPE models: it deletes real spaces.
+        self._clean_up = clean_up_tokenization_spaces and not isinstance(backend.model, models.BPE)
+        self._backend_decode = backend.decode
+
+    # -- construction -----------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
+        """The tokenizer a GGUF file describes under llama.cpp's `tokenizer.ggml.*` keys."""
+        kind = metadata.get("tokenizer.ggml.model")
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ModelLoadError("the GGUF metadata has no tokenizer (tokenizer.ggml.tokens is missing)")
+        tokens = [str(t) for t in tokens]
+        types = list(metadata.get("tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * len(tokens))
+        if len(types) != len(tokens):
+            raise ModelLoadError(
+                f"GGUF tokenizer: {len(types)} token types for {len(tokens)} tokens"
+            )
+        if kind == "gpt2":
+            backend, default_add_bos = _gguf_byte_level(metadata, tokens, types)
+        elif kind == "llama":
+            backend, default_add_bos = _gguf_sentencepiece(metadata, tokens)
+        else:
+            raise ModelLoadError(
+                f"unsupported GGUF tokenizer: tokenizer.ggml.model = {kind!r} "
+                "(roseinfer supports 'gpt2' byte-level BPE and 'llama' sentencepiece BPE)"
+            )
+
+        ids: dict[str, int | None] = {}
+        for name, key in _GGUF_SPECIAL_ID_KEYS.items():
+            value = metadata.get(key)
+            ids[name] = value if isinstance(value, int) and 0 <= value < len(tokens) else None
+        named = {name: tokens[i] if i is not None else None for name, i in ids.items()}
+        _add_gguf_added_tokens(backend, tokens, types, ids)
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos))
+        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+        _set_bos_eos_processor(backend, named["bos"], ids["bos"], add_bos, named["eos"], ids["eos"], add_eos)
+        return cls(
+            backend,
+            chat_template=metadata.get("tokenizer.chat_template"),
+            bos_token=named["bos"],
+            eos_token=named["eos"],
+            unk_token=named["unk"],
+            pad_token=named["pad"],
+            clean_up_tokenization_spaces=False,
+            vocab_size=len(tokens),
+            bos_token_id=ids["bos"],
+            eos_token_id=ids["eos"],
+        )
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """A Hugging Face tokenizer directory: tokenizer.json, or GPT-2 style vocab.json + merges.txt."""
+        directory = Path(path)
+        if not directory.is_dir():
+            raise ModelLoadError(f"tokenizer directory {directory} does not exist or is not a directory")
+        config = _read_json(directory / "tokenizer_config.json") or {}
+        legacy_map = _read_json(directory / "special_tokens_map.json") or {}
+        named = {
+            name: _token_content(config.get(f"{name}_token", legacy_map.get(f"{name}_token")))
+            for name in _SPECIAL_NAMES
+        }
+
+        if (directory / "tokenizer.json").is_file():
+            try:
+                backend = BackendTokenizer.from_file(str(directory / "tokenizer.json"))
+            except Exception as exc:  # the Rust side raises a bare Exception on bad JSON
+                raise ModelLoadError(f"{directory / 'tokenizer.json'} could not be read: {exc}") from exc
+            # Some files carry training-time truncation/padding; prompts must go through whole.
+            backend.no_truncation()
+            backend.no_padding()
+            # tokenizer.json's post-processor decides about BOS/EOS; transformers ignores the
+            # config's add_bos_token/add_eos_token when that file exists, and so do we.
+            set_bos_eos = False
+        elif (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
+            backend = _byte_level_from_vocab_merges(directory, config)
+            # GPT-2 style directories often name no special tokens; GPT-2's own default is this one.
+            if not any(named.values()) and backend.token_to_id("<|endoftext|>") is not None:
+                named.update(bos="<|endoftext|>", eos="<|endoftext|>", unk="<|endoftext|>")
+            set_bos_eos = True
+        else:
+            present = sorted(p.name for p in directory.iterdir())[:20]
+            raise ModelLoadError(
+                f"no tokenizer in {directory}: expected tokenizer.json, or vocab.json + merges.txt "
+                f"(found: {', '.join(present) or 'nothing'})"
+            )
+
+        # Named special tokens the backend does not know as added tokens yet become special ones,
+        # so that they are matched whole in text and skipped by decode(skip_special_tokens=True).
+        added = {token.content for token in backend.get_added_tokens_decoder().values()}
+        missing = [
+            t for t in dict.fromkeys(named.values())
+            if t and t not in added and backend.token_to_id(t) is not None
+        ]
+        if missing:
+            backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+
+        if set_bos_eos:
+            _set_bos_eos_processor(
+                backend,
+                named["bos"], _token_id(backend, named["bos"]), bool(config.get("add_bos_token")),
+                named["eos"], _token_id(backend, named["eos"]), bool(config.get("add_eos_token")),
+            )
+        return cls(
+            backend,
+            chat_template=_find_chat_template(directory, config),
+            bos_token=named["bos"],
+            eos_token=named["eos"],
+            unk_token=named["unk"],
+            pad_token=named["pad"],
+            clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+        )
+
+    # -- use --------------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        # encode_batch_fast (tokenizers >= 0.21) skips computing offsets we do not use.
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        encodings = encode(texts, add_special_tokens=add_special_tokens)
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        try:
+            text = self._backend_decode(ids, skip_special_tokens=skip_special_tokens)
+        except TypeError:  # tuples, numpy/torch integers: give Rust a plain list of ints
+            text = self._backend_decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        if self._clean_up:
+            text = _clean_up_tokenization(text)
+        return text
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(int(token_id))
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """The prompt text for a conversation, from the model's own chat template.
+
+        Encode the result with add_special_tokens=False: templates write their own BOS.
+        """
+        if not self.chat_template:
+            raise ValueError(
+                "this model has no chat template (none in its GGUF metadata or tokenizer files); "
+                "send a plain text prompt instead of chat messages"
+            )
+        variables = {**self._template_tokens, **kwargs}
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt, **variables
+        )
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r}, "
+            f"add_bos_token={self.add_bos_token})"
+        )
+
+
+# -- GGUF -----------------------------------------------------------------------------------------
+
+
+def _gpt2_byte_chars() -> list[str]:
+    """GPT-2's printable stand-in for each byte value: printable Latin-1 bytes stand for
+    themselves, the rest (controls, space, ...) are shifted past U+0100 in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    chars, shifted = [""] * 256, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + shifted)
+            shifted += 1
+    return chars
+
+
+_BYTE_CHARS = _gpt2_byte_chars()
+_BYTE_ALPHABET = frozenset(_BYTE_CHARS)
+
+
+def _byte_level_spelling(text: str) -> str:
+    return "".join(_BYTE_CHARS[b] for b in text.encode("utf-8"))
+
+
+def _gguf_byte_level(
+    metadata: dict[str, Any], tokens: list[str], types: list[int]
+) -> tuple[BackendTokenizer, bool]:
+    merges = _split_merges(metadata.get("tokenizer.ggml.merges"))
+    pre = str(metadata.get("tokenizer.ggml.pre") or "default")
+    family = _PRE_TO_FAMILY.get(pre)
+    if family is None:
+        logger.warning(
+            "GGUF tokenizer.ggml.pre = %r is not known to roseinfer; splitting text with the GPT-2 "
+            "regex, which may give different token ids than the model was trained with", pre,
+        )
+        family = "gpt2"
+
+    # Normal tokens are stored in the byte-level alphabet; one a converter wrote as raw text is
+    # respelled so BPE can still reach it. Control/user-defined tokens keep their raw text: they
+    # become added tokens, matched in the text as written.
+    vocab = {
+        token if kind in _ADDED_TYPES or set(token) <= _BYTE_ALPHABET else _byte_level_spelling(token): i
+        for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
+    }
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=family in _IGNORE_MERGES_FAMILIES)
+    except Exception as exc:
+        raise ModelLoadError(f"the GGUF byte-level BPE vocabulary is inconsistent: {exc}") from exc
+
+    backend = BackendTokenizer(bpe)
+    if family == "gpt2":
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif family == "digits":
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_FAMILY_SPLITS[family]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    backend.decoder = decoders.ByteLevel()
+    return backend, family in _ADD_BOS_FAMILIES
+
+
+def _gguf_sentencepiece(metadata: dict[str, Any], tokens: list[str]) -> tuple[BackendTokenizer, bool]:
+    """llama.cpp's SPM vocabulary as a BPE with byte fallback, like transformers' LlamaTokenizer."""
+    arch = str(metadata.get("general.architecture", ""))
+    if arch.startswith("gemma"):
+        # Gemma files spell whitespace tokens differently and order merges by position, not score.
+        raise ModelLoadError(
+            f"the sentencepiece tokenizer of GGUF architecture {arch!r} is not supported; "
+            "pass --tokenizer with the model's Hugging Face tokenizer directory"
+        )
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if metadata.get("tokenizer.ggml.merges"):
+        merges = _split_merges(metadata["tokenizer.ggml.merges"])
+    else:
+        scores = metadata.get("tokenizer.ggml.scores")
+        if not scores or len(scores) != len(tokens):
+            raise ModelLoadError(
+                "GGUF sentencepiece tokenizer has neither tokenizer.ggml.merges nor one "
+                "tokenizer.ggml.scores entry per token, so its merges cannot be recovered"
+            )
+        merges = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    except Exception as exc:
+        raise ModelLoadError(f"the GGUF sentencepiece vocabulary is inconsistent: {exc}") from exc
+
+    backend = BackendTokenizer(bpe)
+    # Spaces become "▁"; sentencepiece also puts one in front of the text (add_space_prefix).
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend, True  # llama.cpp adds BOS to SPM vocabularies unless the file says not to
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a sentencepiece vocabulary: every split of a token into two tokens,
+    best score first, ties broken the way transformers does it so that the ids agree."""
+    candidates = []  # (score of the merged token, left, right), in vocabulary order
+    for token, score in scores.items():
+        pairs = [
+            (token[:i], token[i:]) for i in range(1, len(token))
+            if token[:i] in vocab and token[i:] in vocab
+        ]
+        pairs.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        candidates.extend((score, left, right) for left, right in pairs)
+    # sorted() is stable: equal keys keep vocabulary order.
+    candidates.sort(key=lambda c: (-c[0], -len(c[1]), -len(c[2])))
+    return [(left, right) for _, left, right in candidates]
+
+
+def _split_merges(merges: Any) -> list[tuple[str, str]]:
+    pairs = []
+    for merge in merges or ():
+        left, sep, right = str(merge).partition(" ")
+        if not sep:
+            raise ModelLoadError(f"GGUF tokenizer.ggml.merges has a malformed entry: {merge!r}")
+        pairs.append((left, right))
+    return pairs
+
+
+def _add_gguf_added_tokens(
+    backend: BackendTokenizer, tokens: list[str], types: list[int], named_ids: dict[str, int | None]
+) -> None:
+    """Control tokens (and the named BOS/EOS/UNK/PAD if not normal text) become special added tokens,
+    user-defined ones plain added tokens: either way they are matched whole in the text."""
+    named = {i for i in named_ids.values() if i is not None}
+    special = [
+        AddedToken(token, normalized=False, special=True)
+        for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
+        if kind == TOKEN_TYPE_CONTROL or (i in named and kind != TOKEN_TYPE_NORMAL)
+    ]
+    user = [
+        AddedToken(token, normalized=False, special=False)
+        for token, kind in zip(tokens, types, strict=True)
+        if kind == TOKEN_TYPE_USER_DEFINED
+    ]
+    if special:
+        backend.add_special_tokens(special)
+    if user:
+        backend.add_tokens(user)
+
+
+def _set_bos_eos_processor(
+    backend: BackendTokenizer,
+    bos: str | None, bos_id: int | None, add_bos: bool,
+    eos: str | None, eos_id: int | None, add_eos: bool,
+) -> None:
+    """Make encode(add_special_tokens=True) add exactly the requested BOS/EOS."""
+    add_bos = add_bos and bos is not None and bos_id is not None
+    add_eos = add_eos and eos is not None and eos_id is not None
+    first = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
+    second = ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else [])
+    specials = [(bos, bos_id)] if add_bos else []
+    if add_eos and eos != bos:
+        specials.append((eos, eos_id))
+    try:
+        backend.post_processor = processors.TemplateProcessing(
+            single=first, pair=first + second, special_tokens=specials
+        )
+    except Exception as exc:  # a token containing ":" cannot be written in a template
+        logger.warning("cannot make encode() add BOS %r / EOS %r (%s); adding none", bos, eos, exc)
+        backend.post_processor = processors.TemplateProcessing(
+            single=["$A:0"], pair=["$A:0", "$B:1"], special_tokens=[]
+        )
+
+
+# -- Hugging Face directories ---------------------------------------------------------------------
+
+
+def _byte_level_from_vocab_merges(directory: Path, config: dict[str, Any]) -> BackendTokenizer:
+    try:
+        bpe = models.BPE.from_file(str(directory / "vocab.json"), str(directory / "merges.txt"))
+    except Exception as exc:
+        raise ModelLoadError(f"vocab.json/merges.txt in {directory} could not be read: {exc}") from exc
+    backend = BackendTokenizer(bpe)
+    add_prefix_space = bool(config.get("add_prefix_space", False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+
+    # Added tokens live in tokenizer_config.json (newer) or added_tokens.json (older).
+    added: list[AddedToken] = []
+    for entry in (config.get("added_tokens_decoder") or {}).values():
+        added.append(AddedToken(
+            entry["content"],
+            single_word=entry.get("single_word", False),
+            lstrip=entry.get("lstrip", False),
+            rstrip=entry.get("rstrip", False),
+            normalized=entry.get("normalized", not entry.get("special", False)),
+            special=entry.get("special", False),
+        ))
+    for content in sorted(_read_json(directory / "added_tokens.json") or {}):
+        if not any(token.content == content for token in added):
+            added.append(AddedToken(content, special=False))
+    backend.add_special_tokens([t for t in added if t.special])
+    backend.add_tokens([t for t in added if not t.special])
+    return backend
+
+
+def _find_chat_template(directory: Path, config: dict[str, Any]) -> str | None:
+    """Newer transformers saves the template beside the config; older ones inside it."""
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = (_read_json(directory / "chat_template.json") or {}).get("chat_template")
+    if template is None:
+        template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        by_name = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = by_name.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path} should hold a JSON object")
+    return value
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config spells it: a string, or a dict with "content"."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _token_id(backend: BackendTokenizer, token: str | None) -> int | None:
+    return backend.token_to_id(token) if token is not None else None
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """Undo the spaces a word-piece tokenizer puts before punctuation and contractions."""
+    for spaced, joined in (
+        (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+        (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
+    ):
+        text = text.replace(spaced, joined)
+    return text

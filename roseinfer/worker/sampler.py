@@ -1,0 +1,129 @@
+"""Sampling the next token of every row of a batch at once.
+
+Order (as in vLLM): raw log-probabilities for reporting, min-tokens masking, penalties, then greedy
+rows take the argmax while the others go through temperature, min-p, top-k and top-p and are
+sampled by the exponential race (argmax of p / q with q ~ Exp(1)), which lets seeded rows draw
+their noise from their own generator so that their samples do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors; fields a batch does not use are None."""
+
+    temperature: torch.Tensor  # [B] float, 0 for greedy rows
+    all_greedy: bool
+    top_k: torch.Tensor | None = None  # [B] long, vocab size where disabled
+    top_p: torch.Tensor | None = None  # [B] float, 1 where disabled
+    min_p: torch.Tensor | None = None  # [B] float, 0 where disabled
+    presence_penalty: torch.Tensor | None = None  # [B]
+    frequency_penalty: torch.Tensor | None = None  # [B]
+    repetition_penalty: torch.Tensor | None = None  # [B], 1 where disabled
+    output_counts: torch.Tensor | None = None  # [B, V] how often each token was generated
+    seen_mask: torch.Tensor | None = None  # [B, V] token occurs in the prompt or the output
+    banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, ids) under min_tokens
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded rows
+    max_logprobs: int | None = None  # top-N alternatives wanted by any row (None: none)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] long
+    logprobs: torch.Tensor | None = None  # [B] log-probability of the sampled token
+    top_ids: torch.Tensor | None = None  # [B, N]
+    top_logprobs: torch.Tensor | None = None  # [B, N]
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
+
+        if batch.banned:
+            logits = logits.clone()
+            for row, token_ids in batch.banned:
+                logits[row, token_ids] = float("-inf")
+        logits = apply_penalties(logits, batch)
+
+        if batch.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample(logits, batch)
+        return self._with_logprobs(sampled, raw_logprobs, batch)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy_rows = batch.temperature == 0
+        greedy = logits.argmax(dim=-1)
+        temperature = torch.where(greedy_rows, torch.ones_like(batch.temperature), batch.temperature)
+        logits = logits / temperature[:, None]
+        if batch.min_p is not None:
+            logits = apply_min_p(logits, batch.min_p)
+        if batch.top_k is not None:
+            logits = apply_top_k(logits, batch.top_k)
+        if batch.top_p is not None:
+            logits = apply_top_p(logits, batch.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in batch.generators.items():
+            noise[row].exponential_(generator=generator)
+        random = (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)  # an exact 0 would win wrongly
+        return torch.where(greedy_rows, greedy, random)
+
+    @staticmethod
+    def _with_logprobs(
+        sampled: torch.Tensor, raw_logprobs: torch.Tensor | None, batch: SamplingBatch
+    ) -> SamplerOutput:
+        if raw_logprobs is None:
+            return SamplerOutput(sampled)
+        chosen = raw_logprobs.gather(1, sampled[:, None]).squeeze(1)
+        top_ids = top_values = None
+        if batch.max_logprobs:
+            top_values, top_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)
+        return SamplerOutput(sampled, chosen, top_ids, top_values)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.repetition_penalty is not None and batch.seen_mask is not None:
+        # Hugging Face's rule: shrink positive logits, push negative ones further down.
+        penalty = batch.repetition_penalty[:, None].expand_as(logits)
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(batch.seen_mask, scaled, logits)
+    if batch.output_counts is not None:
+        counts = batch.output_counts
+        if batch.frequency_penalty is not None:
+            logits = logits - batch.frequency_penalty[:, None] * counts
+        if batch.presence_penalty is not None:
+            logits = logits - batch.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k largest logits (ties at the k-th value are kept too)."""
+    max_k = int(top_k.max())
+    values = logits.topk(max_k, dim=-1).values
+    kth = values.gather(1, (top_k - 1).clamp(min=0, max=max_k - 1)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+    drop_sorted = before >= top_p[:, None]
+    drop_sorted[:, 0] = False  # always keep the most likely token
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the most likely token."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))

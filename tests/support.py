@@ -1,0 +1,112 @@
+"""Helpers shared by tests: tiny Hugging Face model directories built offline from transformers
+configs, and a step-by-step logits comparison of roseinfer's paged engine against transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention keeps keys and values in fixed-size blocks.",
+    "Continuous batching lets new requests join a running batch.",
+    "def add(a, b):\n    return a + b\n",
+    "Numbers like 3.14159 and 2024 appear in text too.",
+] * 20
+
+TINY_VOCAB = 384
+
+
+def tiny_tokenizer_json(path: Path) -> None:
+    """A byte-level BPE trained on a small corpus, saved as tokenizer.json (+ tokenizer_config)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB - 8,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.save(str(path / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "bos_token": None, "chat_template": template,
+        "clean_up_tokenization_spaces": False,
+    }))
+
+
+def tiny_hf_model(kind: str, path: Path, seed: int = 0) -> torch.nn.Module:
+    """Build a small random model of `kind` with transformers, save it with a tokenizer, return it."""
+    import transformers
+
+    common = dict(vocab_size=TINY_VOCAB, max_position_embeddings=512, eos_token_id=0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+            **common,
+        )
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(
+            hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=True, **common,
+        )
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(
+            hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False,
+            **common,
+        )
+    elif kind == "gpt2":
+        config = transformers.GPT2Config(
+            n_embd=64, n_layer=3, n_head=4, n_positions=512, vocab_size=TINY_VOCAB, eos_token_id=0,
+            bos_token_id=0,
+        )
+    elif kind == "gpt2-exact-gelu":  # the seed's own GPT uses exact GELU
+        config = transformers.GPT2Config(
+            n_embd=64, n_layer=3, n_head=4, n_positions=512, vocab_size=TINY_VOCAB, eos_token_id=0,
+            bos_token_id=0, activation_function="gelu",
+        )
+    else:
+        raise ValueError(kind)
+    config.initializer_range = 0.1  # larger weights than the default: logits that differ more
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tiny_tokenizer_json(path)
+    return model
+
+
+@torch.no_grad()
+def compare_logits_step_by_step(engine, reference, prompts: list[list[int]], decode_steps: int) -> float:
+    """Drive the engine's scheduler and runner by hand; after each step compare the logits of
+    every sampled row with transformers' logits for the same full sequence. Appends the
+    reference's greedy token so both continue identically. Returns the max abs difference."""
+    from roseinfer.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(None, params, prompt_token_ids=prompt)
+    worst, sampled_rows = 0.0, 0
+    target = len(prompts) * (decode_steps + 1)
+    while sampled_rows < target:
+        step = engine.scheduler.schedule()
+        assert not step.empty, "the scheduler stalled"
+        logits, requests = engine.runner.compute_logits_for(step)
+        engine.scheduler.update_after_step(step)
+        for row, request in enumerate(requests):
+            expected = reference(torch.tensor([request.token_ids])).logits[0, -1]
+            worst = max(worst, (logits[row] - expected).abs().max().item())
+            request.append_token(int(expected.argmax()))
+            sampled_rows += 1
+    for request in list(engine.scheduler.running):
+        engine.abort_request(request.group_id)
+    return worst

@@ -1,0 +1,68 @@
+"""The scheduler on its own: token budget, chunked prefill, seats, preemption of the newest.
+
+No model runs here: after each step the test appends a token to every caught-up request, as the
+engine would with a sampled token.
+"""
+
+from roseinfer.core.kv_cache_manager import KVCacheManager
+from roseinfer.core.scheduler import Scheduler
+from roseinfer.request import Request, RequestStatus
+from roseinfer.sampling_params import SamplingParams
+
+
+def make_request(request_id: int, prompt_len: int, max_tokens: int = 100) -> Request:
+    return Request(request_id, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), max_tokens)
+
+
+def run_step(scheduler: Scheduler) -> dict[int, int]:
+    out = scheduler.schedule()
+    for request in scheduler.update_after_step(out):
+        request.append_token(7)
+    return {r.request_id: n for r, n in zip(out.requests, out.num_new_tokens, strict=True)}
+
+
+def test_long_prompt_is_prefilled_in_chunks_that_share_steps_with_decodes():
+    scheduler = Scheduler(KVCacheManager(64, 16), max_num_seqs=8, max_num_batched_tokens=32)
+    short, long = make_request(0, 5), make_request(1, 100)
+    scheduler.add_request(short)
+    scheduler.add_request(long)
+    assert run_step(scheduler) == {0: 5, 1: 27}  # the prompt and the first chunk share the budget
+    assert run_step(scheduler) == {0: 1, 1: 31}  # a decode and a chunk in one step
+    assert run_step(scheduler) == {0: 1, 1: 31}
+    assert run_step(scheduler) == {0: 1, 1: 11}  # the last chunk; its last token gets a sample
+    assert long.num_output_tokens == 1 and long.num_computed_tokens == 100
+    assert run_step(scheduler) == {0: 1, 1: 1}
+
+
+def test_max_num_seqs_limits_the_running_batch():
+    scheduler = Scheduler(KVCacheManager(64, 16), max_num_seqs=2, max_num_batched_tokens=512)
+    for i in range(3):
+        scheduler.add_request(make_request(i, 4))
+    assert set(run_step(scheduler)) == {0, 1}
+    assert scheduler.num_waiting == 1
+    scheduler.finish_request(scheduler.running[0], RequestStatus.FINISHED_STOPPED)
+    assert set(run_step(scheduler)) == {1, 2}
+
+
+def test_newest_request_is_preempted_and_recomputed_from_scratch():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    old, new = make_request(0, 4), make_request(1, 4)
+    scheduler.add_request(old)
+    scheduler.add_request(new)
+    run_step(scheduler)  # each holds one full block; one block is left
+    run_step(scheduler)  # both cross into a second block: the newest cannot get one
+    assert new.status == RequestStatus.WAITING and new.num_preemptions == 1
+    assert new.num_computed_tokens == 0 and new.num_output_tokens == 1  # its sample is kept
+    assert scheduler.stats.num_preemptions == 1
+    assert kv.block_table(1) == []
+    scheduler.finish_request(old, RequestStatus.FINISHED_STOPPED)
+    assert run_step(scheduler) == {1: 5}  # prompt + the token it had: recomputed in one go
+    kv.check_invariants()
+
+
+def test_a_request_that_cannot_ever_fit_is_reported_stuck():
+    scheduler = Scheduler(KVCacheManager(num_blocks=1, block_size=4), max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler.add_request(make_request(0, 9))
+    assert scheduler.schedule().empty
+    assert scheduler.stuck_request().request_id == 0
