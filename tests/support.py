@@ -110,3 +110,96 @@ def compare_logits_step_by_step(engine, reference, prompts: list[list[int]], dec
     for request in list(engine.scheduler.running):
         engine.abort_request(request.group_id)
     return worst
+
+
+# -- GGUF files written the way llama.cpp's converter writes them ----------------------------
+
+_GGUF_LLAMA_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_LLAMA_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def _permute_qk(weight, num_heads: int):
+    """llama.cpp's converter reorders q/k rows for its interleaved rotary layout."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_llama_gguf(model, tokenizer_dir: Path, path: Path, arch: str, matrix_type: str) -> None:
+    """Save a transformers Llama-family model as GGUF: metadata, a gpt2-style BPE tokenizer and
+    every 2-D weight quantized to `matrix_type` (norms stay F32), as llama.cpp's converter does."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    config = model.config
+    qtype = gguf.GGMLQuantizationType[matrix_type]
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+
+    tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    tokens = [None] * TINY_VOCAB
+    for token, index in vocab.items():
+        tokens[index] = token
+    for added in tokenizer["added_tokens"]:
+        tokens[added["id"]] = added["content"]
+    tokens = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
+    special = {a["id"] for a in tokenizer["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    merges = tokenizer["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_eos_token_id(0)
+    writer.add_add_bos_token(False)
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        stem, suffix = name.rsplit(".", 1)
+        if stem in _GGUF_LLAMA_GLOBAL:
+            gguf_name = f"{_GGUF_LLAMA_GLOBAL[stem]}.{suffix}"
+        else:
+            _, _, layer, module = stem.split(".", 3)
+            gguf_name = f"blk.{layer}.{_GGUF_LLAMA_NAMES[module]}.{suffix}"
+        array = tensor.float().numpy()
+        if arch == "llama" and module_of(gguf_name) in ("attn_q", "attn_k"):
+            array = _permute_qk(array, heads if module_of(gguf_name) == "attn_q" else kv_heads)
+        if array.ndim == 2:
+            writer.add_tensor(gguf_name, quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def module_of(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    return parts[2] if parts[0] == "blk" else parts[0]

@@ -1,0 +1,79 @@
+"""GGUF files beyond the default model: tiny Llama-family models written the way llama.cpp's
+converter writes them (permuted q/k rows, quantized matrices), loaded by roseinfer and by
+transformers (the reference) from the same file; and clear errors for what cannot be loaded."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from support import compare_logits_step_by_step, tiny_hf_model, write_llama_gguf
+
+from roseinfer import InferenceEngine, ModelLoadError
+from roseinfer.models.gguf_file import GGUFFile
+
+TOLERANCE = 1e-3
+PROMPTS = [[5, 9, 30, 31, 200], [7] * 19 + [40, 41], [300]]
+
+
+@pytest.mark.parametrize(
+    ("arch", "matrix_type"),
+    [("llama", "F32"), ("llama", "Q8_0"), ("llama", "Q4_0"), ("qwen2", "Q4_1"), ("qwen2", "F16"),
+     ("qwen3", "F32")],
+)
+def test_gguf_logits_match_transformers(arch, matrix_type, tmp_path):
+    original = tiny_hf_model(arch, tmp_path / "hf")
+    path = tmp_path / f"tiny-{arch}-{matrix_type}.gguf"
+    write_llama_gguf(original, tmp_path / "hf", path, arch, matrix_type)
+    if matrix_type == "F32":
+        # The file is exact, so the original model is the reference. (transformers' own GGUF
+        # loader ignores Qwen3's head_dim when it differs from hidden_size / heads.)
+        reference = original
+    else:
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, gguf_file=path.name, dtype=torch.float32
+        ).eval()
+
+    engine = InferenceEngine(str(path), num_kv_blocks=32, max_num_batched_tokens=16)
+    assert engine.model_config.architecture == "llama"
+    worst = compare_logits_step_by_step(engine, reference, PROMPTS, 4)
+    assert worst < TOLERANCE, f"{arch}/{matrix_type}: max |logit difference| {worst}"
+
+
+def _write_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType | None]]):
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    for name, (array, raw_dtype) in tensors.items():
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    _write_gguf(path, "mamba", {"token_embd.weight": (np.zeros((4, 32), np.float32), None)})
+    with pytest.raises(ModelLoadError, match="architecture 'mamba' is not supported"):
+        InferenceEngine(str(path))
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    path = tmp_path / "ternary.gguf"
+    weights = np.random.default_rng(0).standard_normal((2, 256), dtype=np.float32)
+    qtype = gguf.GGMLQuantizationType.TQ2_0
+    _write_gguf(path, "llama", {"blk.0.attn_q.weight": (gguf.quants.quantize(weights, qtype), qtype)})
+    with pytest.raises(ModelLoadError, match="blk.0.attn_q.weight.*TQ2_0.*supported: "):
+        GGUFFile(path).load_tensor("blk.0.attn_q.weight")
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16"])
+def test_dequantized_tensors_keep_their_shape_and_values(type_name, tmp_path):
+    """Each supported type comes back in PyTorch's [rows, columns] order, within its precision."""
+    weights = np.random.default_rng(1).standard_normal((3, 64), dtype=np.float32)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    path = tmp_path / f"{type_name}.gguf"
+    _write_gguf(path, "llama", {"w.weight": (gguf.quants.quantize(weights, qtype), qtype)})
+    loaded = GGUFFile(path).load_tensor("w.weight")
+    assert loaded.shape == (3, 64) and loaded.dtype == torch.float32
+    error = (loaded.numpy() - weights).std() / weights.std()
+    assert error < 0.12, f"{type_name}: relative error {error:.3f}"
