@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from roseinfer.errors import RoseInferError
+from roseinfer.layers.linear import QUANTIZATION_METHODS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +20,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="tokenizer directory (needed for bare checkpoints)")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     group.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    group.add_argument("--quantization", "-q", default="none", choices=QUANTIZATION_METHODS,
+                       help="linear-layer kernels: none (the dtype's), weight-only int8 / int4, or "
+                            "dynamic-int8 (int8 weights and activations); CPU only")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                        help="memory for the KV cache in GiB (default 2)")
@@ -34,6 +38,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer=args.tokenizer,
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from roseinfer.errors import InvalidRequestError
+from roseinfer.layers.linear import QUANTIZATION_METHODS
 
 _DTYPES = {
     "float32": torch.float32,
@@ -54,6 +55,7 @@ class EngineConfig:
     tokenizer: str | None = None  # a directory; needed for the seed's bare checkpoints
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    quantization: str = "none"  # none | int8 | int4 | dynamic-int8 (linear layers; see layers/linear.py)
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB for the KV pool; default below
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
@@ -85,6 +87,8 @@ class EngineConfig:
             raise bad("max_model_len", f"must be at least 2, got {self.max_model_len}")
         if self.dtype not in ("auto", *_DTYPES):
             raise bad("dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise bad("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
         self.torch_device  # noqa: B018 - validates the device string early
 
     @classmethod

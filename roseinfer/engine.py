@@ -94,7 +94,7 @@ class InferenceEngine:
         self.dtype = config.torch_dtype
 
         started = time.perf_counter()
-        loaded = load_model(config.model, config.tokenizer, self.device, self.dtype)
+        loaded = load_model(config.model, config.tokenizer, self.device, self.dtype, config.quantization)
         self.model = loaded.model
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -116,10 +116,11 @@ class InferenceEngine:
         self._sequences: dict[int, tuple[RequestGroup, int]] = {}
         self.stats = EngineStats()
         logger.info(
-            "loaded %s (%s, %d layers) on %s/%s in %.1fs; KV cache: %d blocks of %d tokens "
+            "loaded %s (%s, %d layers) on %s/%s, quantization %s, in %.1fs; KV cache: %d blocks of %d tokens "
             "(%.2f GiB), max_model_len %d",
             self.model_name, self.model_config.architecture, self.model_config.num_layers,
-            self.device, str(self.dtype).removeprefix("torch."), time.perf_counter() - started,
+            self.device, str(self.dtype).removeprefix("torch."), config.quantization,
+            time.perf_counter() - started,
             num_blocks, config.block_size,
             num_blocks * kv_block_bytes(self.model_config, config.block_size, self.dtype) / GIB,
             self.max_model_len,

@@ -65,6 +65,7 @@ def load_model(
     tokenizer: str | None,
     device: torch.device,
     dtype: torch.dtype,
+    quantization: str = "none",
 ) -> LoadedModel:
     if model is None:
         path, name = default_model_path(), DEFAULT_MODEL_NAME
@@ -94,13 +95,13 @@ def load_model(
             config = model_config_from_hf(path)
             tok = Tokenizer.from_pretrained_dir(tokenizer_dir or path)
             weights = _safetensors_weights(path)
-            return LoadedModel(build_model(config, weights, device, dtype), config, tok, name)
+            return LoadedModel(build_model(config, weights, device, dtype, quantization), config, tok, name)
 
     if _is_gguf(path):
         gguf = GGUFFile(path)
         config = model_config_from_gguf(gguf)
         tok = Tokenizer.from_pretrained_dir(tokenizer_dir) if tokenizer_dir else Tokenizer.from_gguf_metadata(gguf.metadata)
-        built = build_model(config, gguf_weights(gguf, config), device, dtype)
+        built = build_model(config, gguf_weights(gguf, config), device, dtype, quantization)
         return LoadedModel(built, config, tok, name)
 
     if path.suffix.lower() in _CHECKPOINT_SUFFIXES:
@@ -112,7 +113,7 @@ def load_model(
         config, state_dict = load_seed_checkpoint(path)
         tok = Tokenizer.from_pretrained_dir(tokenizer_dir)
         config.eos_token_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        built = build_model(config, seed_weights(state_dict), device, dtype)
+        built = build_model(config, seed_weights(state_dict), device, dtype, quantization)
         return LoadedModel(built, config, tok, name)
 
     raise ModelLoadError(

@@ -9,6 +9,7 @@ from torch import nn
 
 from roseinfer.config import ModelConfig
 from roseinfer.errors import ModelLoadError
+from roseinfer.layers.linear import prepare_linear_layers
 from roseinfer.models.gpt2 import GPT2LMHeadModel
 from roseinfer.models.llama import LlamaForCausalLM
 
@@ -23,8 +24,10 @@ def build_model(
     weights: Iterable[tuple[str, torch.Tensor]],
     device: torch.device,
     dtype: torch.dtype,
+    quantization: str = "none",
 ) -> nn.Module:
-    """Instantiate without initialising (meta tensors), then fill every parameter from `weights`."""
+    """Instantiate without initialising (meta tensors), fill every parameter from `weights`, then
+    give the linear layers the kernels of the device and the quantization method."""
     model_class = MODEL_CLASSES.get(config.architecture)
     if model_class is None:
         raise ModelLoadError(
@@ -37,4 +40,5 @@ def build_model(
     if hasattr(model, "rotary"):
         model.rotary.to(device)
     model.requires_grad_(False)
+    prepare_linear_layers(model, quantization, device)
     return model.eval()
