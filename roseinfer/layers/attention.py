@@ -87,8 +87,10 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         write_kv(kv_cache, meta.slot_mapping, k, v)
-        out = torch.empty_like(q)
         num_decodes = meta.num_decode_tokens
+        if not meta.prefills:  # decodes only: no need to assemble the output
+            return self._decode(q, kv_cache, meta)
+        out = torch.empty_like(q)
         if num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, meta)
         for chunk in meta.prefills:

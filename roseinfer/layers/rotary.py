@@ -1,4 +1,10 @@
-"""Rotary position embeddings (the "rotate half" layout Hugging Face checkpoints use)."""
+"""Rotary position embeddings, applied as one complex multiplication per tensor.
+
+Hugging Face checkpoints rotate dimension i of a head against dimension i + head_dim/2. Models
+here store q/k with each such pair adjacent instead (`interleave_rotary_rows` permutes the weight
+rows once at load time; attention scores do not change, as q and k are permuted alike), so a
+head is head_dim/2 complex numbers and rotating it is a single `*` instead of nine tensor ops.
+"""
 
 from __future__ import annotations
 
@@ -46,7 +52,7 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Te
 
 
 class RotaryEmbedding:
-    """Computes cos/sin for the step's positions once; every layer applies them."""
+    """Computes the step's rotations once from its positions; every layer applies them."""
 
     def __init__(self, inv_freq: torch.Tensor) -> None:
         self.inv_freq = inv_freq
@@ -55,14 +61,21 @@ class RotaryEmbedding:
         self.inv_freq = self.inv_freq.to(device)
         return self
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_tokens, 1, head_dim / 2] each, broadcasting over heads."""
+    def rotations(self, positions: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, 1, head_dim / 2] complex64 unit rotations, broadcasting over heads."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+        return torch.polar(torch.ones_like(angles), angles)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim]; rotates the first half against the second."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim] with rotary pairs adjacent (see module docstring)."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotations).flatten(-2).to(x.dtype)
+
+
+def interleave_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reorder the rows (or entries) of a q/k projection from Hugging Face's half-split layout,
+    [x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}] per head, to adjacent pairs [x_0, y_0, x_1, y_1, ...]."""
+    head_dim = weight.shape[0] // num_heads
+    halves = weight.reshape(num_heads, 2, head_dim // 2, *weight.shape[1:])
+    return halves.transpose(1, 2).reshape(weight.shape)

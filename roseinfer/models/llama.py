@@ -14,7 +14,12 @@ from torch import nn
 
 from roseinfer.config import ModelConfig
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
-from roseinfer.layers.rotary import RotaryEmbedding, apply_rotary, rope_inverse_frequencies
+from roseinfer.layers.rotary import (
+    RotaryEmbedding,
+    apply_rotary,
+    interleave_rotary_rows,
+    rope_inverse_frequencies,
+)
 from roseinfer.models.weights import WeightLoader
 
 
@@ -51,8 +56,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotations: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -63,7 +67,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, rotations), apply_rotary(k, rotations)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
@@ -88,8 +92,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+    def forward(self, hidden, rotations, kv_cache, meta) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotations, kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -120,16 +124,17 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of a flattened batch (no padding)."""
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        rotations = self.rotary.rotations(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
+            hidden = layer(hidden, rotations, kv_cache, meta)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up into their shared matrices."""
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up into their shared matrices
+        and putting q/k rows (and q/k norms) in the interleaved rotary layout."""
         attn = self.model.layers[0].self_attn
         shards = {  # HF module name -> (fused module name, first row in the fused matrix)
             "q_proj": ("qkv_proj", 0),
@@ -145,7 +150,12 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             parts = name.split(".")
-            shard = shards.get(parts[-2]) if len(parts) > 1 else None
+            module = parts[-2] if len(parts) > 1 else ""
+            if module in ("q_proj", "q_norm"):
+                tensor = interleave_rotary_rows(tensor, self.config.num_heads if module == "q_proj" else 1)
+            elif module in ("k_proj", "k_norm"):
+                tensor = interleave_rotary_rows(tensor, self.config.num_kv_heads if module == "k_proj" else 1)
+            shard = shards.get(module)
             if shard is None:
                 loader.load(name, tensor)
             else:
