@@ -62,6 +62,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's context length
+    enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes computed before
     seed: int = 0
     served_model_name: str | None = None
 

@@ -106,7 +106,7 @@ class InferenceEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
 
         num_blocks = self._num_kv_blocks()
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.max_model_len = self._max_model_len(num_blocks)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.device, self.dtype)
@@ -201,7 +201,9 @@ class InferenceEngine:
         self._groups[group_id] = group
         for index, seq in enumerate(sequences):
             self._sequences[seq.request_id] = (group, index)
-            self.scheduler.add_request(seq)
+            # n > 1: the other sequences share the first one's prompt blocks instead of
+            # computing the same prompt again.
+            self.scheduler.add_request(seq, fork_from=sequences[0] if index else None)
         return group_id
 
     def _prompt_token_ids(

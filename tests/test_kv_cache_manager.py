@@ -1,14 +1,18 @@
-"""Property test of the block manager: random allocate / append / fork / free sequences.
+"""Property test of the block manager: random allocate (with prefix-cache lookups) / append /
+fork / free / end-of-step sequences.
 
 Besides the bookkeeping invariants, a shadow KV pool records which token each slot holds; after
-every operation each request's block table must read back exactly its own tokens, which is what
-copy-on-write has to guarantee for forked requests.
+every operation each request's block table must read back exactly its own tokens. That is what
+copy-on-write has to guarantee for forked requests, and what the prefix cache has to guarantee for
+blocks it hands out (a block reused with a stale key would read back someone else's tokens).
+Tokens come from a two-letter alphabet so that prompts share prefixes often; blocks are cached
+only at `end_step`, so two requests can compute the same new prefix in one step.
 """
 
 import itertools
 
 import pytest
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -16,49 +20,61 @@ from roseinfer.core.kv_cache_manager import KVCacheManager
 
 NUM_BLOCKS = 12
 BLOCK_SIZE = 4
+TOKENS = st.integers(0, 1)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
         self.pool: dict[int, list[int | None]] = {b: [None] * BLOCK_SIZE for b in range(NUM_BLOCKS)}
         self.tokens: dict[int, list[int]] = {}  # what each live request has written
         self.ids = itertools.count()
-        self.token_values = itertools.count(1000)
 
-    def _write(self, request_id: int, count: int) -> bool:
+    def _write(self, request_id: int, new_tokens: list[int], cached: list[int] = ()) -> bool:
         start = len(self.tokens[request_id])
-        if not self.manager.allocate_slots(request_id, start, count):
+        if not self.manager.allocate_slots(request_id, start, len(new_tokens), cached):
             return False
         for copy in self.manager.take_pending_copies():
             self.pool[copy.dst] = list(self.pool[copy.src])
         table = self.manager.block_table(request_id)
-        for position in range(start, start + count):
-            value = next(self.token_values)
+        for position, value in enumerate(new_tokens, start):
             self.pool[table[position // BLOCK_SIZE]][position % BLOCK_SIZE] = value
             self.tokens[request_id].append(value)
         return True
 
-    @rule(count=st.integers(1, 3 * BLOCK_SIZE))
-    def allocate(self, count: int) -> None:
+    @rule(prompt=st.lists(TOKENS, min_size=1, max_size=3 * BLOCK_SIZE))
+    def allocate(self, prompt: list[int]) -> None:
         request_id = next(self.ids)
+        cached = self.manager.find_cached_prefix(prompt)
+        num_cached = len(cached) * BLOCK_SIZE
+        assert num_cached < len(prompt), "the last token must always be computed"
+        event("prefix cache hit" if cached else "prefix cache miss")
         free_before = self.manager.num_free_blocks
-        self.tokens[request_id] = []
-        fits = -(-count // BLOCK_SIZE) <= free_before
-        assert self._write(request_id, count) == fits
+        self.tokens[request_id] = list(prompt[:num_cached])
+        fits = -(-len(prompt) // BLOCK_SIZE) - len(cached) <= self.manager.pool.num_free_after_taking(cached)
+        assert self._write(request_id, prompt[num_cached:], cached) == fits
         if not fits:
             del self.tokens[request_id]
             assert request_id not in self.manager.block_tables
             assert self.manager.num_free_blocks == free_before
 
     @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), count=st.integers(1, BLOCK_SIZE + 2))
-    def append(self, data, count: int) -> None:
+    @rule(data=st.data(), tail=st.lists(TOKENS, max_size=BLOCK_SIZE + 2))
+    def allocate_with_a_shared_prefix(self, data, tail: list[int]) -> None:
+        """A prompt that starts like a live request's tokens (a system prompt, a retried chat)."""
+        source = self.tokens[data.draw(st.sampled_from(sorted(self.tokens)))]
+        prefix = source[: data.draw(st.integers(0, len(source)))]
+        if prefix or tail:
+            self.allocate(prefix + tail)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), new_tokens=st.lists(TOKENS, min_size=1, max_size=BLOCK_SIZE + 2))
+    def append(self, data, new_tokens: list[int]) -> None:
         request_id = data.draw(st.sampled_from(sorted(self.tokens)))
         table_before = list(self.manager.block_table(request_id))
         free_before = self.manager.num_free_blocks
-        if not self._write(request_id, count):
+        if not self._write(request_id, new_tokens):
             # A failed allocation changes nothing.
             assert self.manager.block_table(request_id) == table_before
             assert self.manager.num_free_blocks == free_before
@@ -78,6 +94,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.manager.free(request_id)
         del self.tokens[request_id]
 
+    @rule()
+    def end_step(self) -> None:
+        """What the scheduler does after a step: cache every block that is full and computed."""
+        for request_id, tokens in self.tokens.items():
+            self.manager.cache_computed_blocks(request_id, tokens, len(tokens))
+
     @invariant()
     def bookkeeping_is_consistent(self) -> None:
         self.manager.check_invariants()
@@ -89,6 +111,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert len(table) == -(-len(tokens) // BLOCK_SIZE)
             stored = [self.pool[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(len(tokens))]
             assert stored == tokens
+
+    @invariant()
+    def every_cached_block_holds_its_key(self) -> None:
+        for (_, block_tokens), block in self.manager.pool.cached.items():
+            assert tuple(self.pool[block]) == block_tokens
 
     def teardown(self) -> None:
         for request_id in list(self.tokens):

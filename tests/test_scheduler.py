@@ -4,6 +4,8 @@ No model runs here: after each step the test appends a token to every caught-up 
 engine would with a sampled token.
 """
 
+import pytest
+
 from roseinfer.core.kv_cache_manager import KVCacheManager
 from roseinfer.core.scheduler import Scheduler
 from roseinfer.request import Request, RequestStatus
@@ -44,8 +46,9 @@ def test_max_num_seqs_limits_the_running_batch():
     assert set(run_step(scheduler)) == {1, 2}
 
 
-def test_newest_request_is_preempted_and_recomputed_from_scratch():
-    kv = KVCacheManager(num_blocks=3, block_size=4)
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_newest_request_is_preempted_and_recomputed(prefix_caching):
+    kv = KVCacheManager(num_blocks=3, block_size=4, enable_prefix_caching=prefix_caching)
     scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
     old, new = make_request(0, 4), make_request(1, 4)
     scheduler.add_request(old)
@@ -57,7 +60,10 @@ def test_newest_request_is_preempted_and_recomputed_from_scratch():
     assert scheduler.stats.num_preemptions == 1
     assert kv.block_table(1) == []
     scheduler.finish_request(old, RequestStatus.FINISHED_STOPPED)
-    assert run_step(scheduler) == {1: 5}  # prompt + the token it had: recomputed in one go
+    if prefix_caching:  # its first block is still cached: only the token after it is computed
+        assert run_step(scheduler) == {1: 1}
+    else:  # prompt + the token it had: recomputed in one go
+        assert run_step(scheduler) == {1: 5}
     kv.check_invariants()
 
 

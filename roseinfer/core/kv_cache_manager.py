@@ -1,16 +1,33 @@
-"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, per-request block tables and
-reference counts. It knows nothing about tensors; the model runner owns the memory.
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, per-request block tables,
+reference counts, and the prefix cache. It knows nothing about tensors; the model runner owns the
+memory.
+
+Prefix caching. Once every token of a block has its K/V computed, the block is registered under a
+key chained over the token ids of the whole prefix up to it: (key hash of the block before, this
+block's token ids). A new request walks its prompt block by block and reuses every registered block
+it finds, so those tokens are not computed again. A finished request's registered blocks stay in
+the cache while free: the free queue is ordered so that blocks nobody can reuse are handed out
+first, then registered ones, least recently released first (LRU). A block leaves the cache exactly
+when it is handed out again.
+
+The K/V of a token depend only on the model and the tokens before it, so the token ids are all a
+key needs here (no adapters or images change K/V in this engine).
 
 Invariants (checked by `check_invariants`, exercised by a property test):
   * a block's reference count equals the number of block tables that hold it;
-  * a block is in the free list exactly when its reference count is zero;
-  * when every request has been freed, every block is free.
+  * a block is in the free queue exactly when its reference count is zero;
+  * the cache maps every key to one block that carries that key, and every block that carries a
+    key is the one the cache maps it to;
+  * when every request has been freed, every block is free (possibly still cached).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key or 0, token ids)
 
 
 @dataclass(frozen=True)
@@ -21,15 +38,25 @@ class BlockCopy:
     dst: int
 
 
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found in the cache
+
+
 class BlockPool:
-    """A free list of block ids with reference counts."""
+    """Block ids with reference counts, a free queue and the prefix cache's key -> block map."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.keys: list[BlockKey | None] = [None] * num_blocks
+        self.cached: dict[BlockKey, int] = {}
+        # Handed out from the front. Uncached blocks are put at the front, cached ones at the back,
+        # so a cached block is evicted only when no uncached one is left, oldest release first.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property
     def num_free(self) -> int:
@@ -38,24 +65,43 @@ class BlockPool:
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise RuntimeError(f"asked for {count} KV blocks, only {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
-        for block in blocks:
+        blocks = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            key = self.keys[block]
+            if key is not None:  # evicted: its key must not lead anyone to its new contents
+                del self.cached[key]
+                self.keys[block] = None
             self.ref_counts[block] = 1
+            blocks.append(block)
         return blocks
 
-    def incref(self, blocks: list[int]) -> None:
+    def incref(self, blocks: Sequence[int]) -> None:
         for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._free[block]  # a cached block taken back into use
             self.ref_counts[block] += 1
 
-    def decref(self, blocks: list[int]) -> None:
-        # Freed in reverse so that a request's tail blocks are reused first.
+    def decref(self, blocks: Sequence[int]) -> None:
+        # In reverse, so that a request's tail blocks are the first to go when evicting.
         for block in reversed(blocks):
             count = self.ref_counts[block] - 1
             if count < 0:
                 raise RuntimeError(f"KV block {block} freed more often than it was allocated")
             self.ref_counts[block] = count
             if count == 0:
-                self._free.append(block)
+                self._free[block] = None
+                if self.keys[block] is None:
+                    self._free.move_to_end(block, last=False)
+
+    def register(self, block: int, key: BlockKey) -> None:
+        """Make a computed, full block findable under `key` (unless another block already is)."""
+        if key not in self.cached and self.keys[block] is None:
+            self.cached[key] = block
+            self.keys[block] = key
+
+    def num_free_after_taking(self, blocks: Sequence[int]) -> int:
+        return len(self._free) - sum(1 for b in blocks if self.ref_counts[b] == 0)
 
     def free_block_ids(self) -> list[int]:
         return list(self._free)
@@ -64,10 +110,13 @@ class BlockPool:
 class KVCacheManager:
     """Block tables for requests, backed by one `BlockPool`."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[int, list[int]] = {}
+        self.prefix_stats = PrefixCacheStats()
+        self._keys: dict[int, list[BlockKey]] = {}  # per request: keys of its full, computed blocks
         self._pending_copies: list[BlockCopy] = []
 
     # -- queries --------------------------------------------------------------------------
@@ -77,11 +126,12 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached ones included: they are evicted on demand)."""
         return self.pool.num_free
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1."""
+        """Fraction of blocks held by requests, 0..1."""
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     def block_table(self, request_id: int) -> list[int]:
@@ -90,28 +140,81 @@ class KVCacheManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    # -- prefix cache ---------------------------------------------------------------------
+    def _chain(self, token_ids: Sequence[int], keys: list[BlockKey], num_full_blocks: int) -> list[BlockKey]:
+        """Extend `keys` (the first blocks' keys) to cover `num_full_blocks` blocks."""
+        size = self.block_size
+        for index in range(len(keys), num_full_blocks):
+            parent = hash(keys[-1]) if keys else 0
+            keys.append((parent, tuple(token_ids[index * size : (index + 1) * size])))
+        return keys
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """The cached blocks that hold the longest computed prefix of `token_ids`.
+
+        At least the last token is always left to compute (its logits are needed), so a block is
+        only used if it ends before it; a prompt that is all cached recomputes its last block.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        usable = (len(token_ids) - 1) // self.block_size
+        blocks: list[int] = []
+        for key in self._chain(token_ids, [], usable):
+            block = self.pool.cached.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def record_prefix_lookup(self, num_tokens: int, num_cached_tokens: int) -> None:
+        """Count a lookup whose blocks were taken (for the hit-rate metrics)."""
+        self.prefix_stats.queries += num_tokens
+        self.prefix_stats.hits += num_cached_tokens
+
+    def cache_computed_blocks(self, request_id: int, token_ids: Sequence[int], num_computed: int) -> None:
+        """Register the request's blocks that became full and computed (call after each step)."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables.get(request_id)
+        if not table:
+            return
+        keys = self._keys.setdefault(request_id, [])
+        num_full = min(num_computed // self.block_size, len(table))
+        first_new = len(keys)
+        for index, key in enumerate(self._chain(token_ids, keys, num_full)[first_new:], first_new):
+            self.pool.register(table[index], key)
+
     # -- allocation -----------------------------------------------------------------------
-    def allocate_slots(self, request_id: int, num_computed: int, num_new: int) -> bool:
+    def allocate_slots(
+        self, request_id: int, num_computed: int, num_new: int, cached_blocks: Sequence[int] = ()
+    ) -> bool:
         """Make room for `num_new` tokens written after `num_computed` cached ones.
 
-        Allocates the blocks the new tokens need and, if the block they start in is shared with
-        another request, replaces it by a private copy (copy-on-write). Returns False, changing
-        nothing, when too few blocks are free.
+        `cached_blocks` (from `find_cached_prefix`, for a request that holds no blocks yet) start
+        its table. Allocates the blocks the new tokens need and, if the block they start in is
+        shared with another request, replaces it by a private copy (copy-on-write). Returns False,
+        changing nothing, when too few blocks are free.
         """
-        table = self.block_tables.setdefault(request_id, [])
-        needed = self.blocks_for_tokens(num_computed + num_new) - len(table)
+        table = self.block_tables.get(request_id, [])
+        if cached_blocks and table:
+            raise RuntimeError(f"request {request_id} already has blocks; cached ones start a table")
+        have = len(table) + len(cached_blocks)
+        needed = max(self.blocks_for_tokens(num_computed + num_new) - have, 0)
         first = num_computed // self.block_size
-        cow = first < len(table) and self.pool.ref_counts[table[first]] > 1 and num_new > 0
-        if max(needed, 0) + int(cow) > self.pool.num_free:
-            if not table:
-                del self.block_tables[request_id]
+        cow = num_new > 0 and first < len(table) and self.pool.ref_counts[table[first]] > 1
+        if needed + int(cow) > self.pool.num_free_after_taking(cached_blocks):
             return False
+        if cached_blocks:
+            self.pool.incref(cached_blocks)
+            table = list(cached_blocks)
+        self.block_tables[request_id] = table
         if cow:
             (copy,) = self.pool.allocate(1)
             self._pending_copies.append(BlockCopy(src=table[first], dst=copy))
             self.pool.decref([table[first]])
             table[first] = copy
-        if needed > 0:
+            del self._keys.get(request_id, [])[first:]  # the copy is written to: not a cached block
+        if needed:
             table.extend(self.pool.allocate(needed))
         return True
 
@@ -122,9 +225,12 @@ class KVCacheManager:
         parent = self.block_tables.get(parent_id, [])
         self.pool.incref(parent)
         self.block_tables[child_id] = list(parent)
+        if parent_id in self._keys:
+            self._keys[child_id] = list(self._keys[parent_id])
 
     def free(self, request_id: int) -> None:
         table = self.block_tables.pop(request_id, None)
+        self._keys.pop(request_id, None)
         if table:
             self.pool.decref(table)
 
@@ -132,16 +238,28 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request holds."""
+        for key, block in list(self.pool.cached.items()):
+            if self.pool.ref_counts[block] == 0:
+                del self.pool.cached[key]
+                self.pool.keys[block] = None
+
     # -- checks ---------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        expected = [0] * self.pool.num_blocks
+        pool = self.pool
+        expected = [0] * pool.num_blocks
         for table in self.block_tables.values():
             for block in table:
                 expected[block] += 1
-        if expected != self.pool.ref_counts:
+        if expected != pool.ref_counts:
             raise AssertionError("reference counts differ from the block tables")
-        free = self.pool.free_block_ids()
+        free = pool.free_block_ids()
         if len(set(free)) != len(free):
-            raise AssertionError("a block is in the free list twice")
+            raise AssertionError("a block is in the free queue twice")
         if set(free) != {b for b, count in enumerate(expected) if count == 0}:
-            raise AssertionError("the free list differs from the blocks nobody holds")
+            raise AssertionError("the free queue differs from the blocks nobody holds")
+        if any(pool.keys[block] != key for key, block in pool.cached.items()):
+            raise AssertionError("a cache entry points to a block that carries another key")
+        if sum(key is not None for key in pool.keys) != len(pool.cached):
+            raise AssertionError("a block carries a key that the cache does not map to it")
