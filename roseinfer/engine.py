@@ -25,6 +25,7 @@ from roseinfer.output_processor import SequenceText
 from roseinfer.outputs import CompletionOutput, OutputDelta, RequestOutput, TokenLogprob
 from roseinfer.request import Request, RequestStatus
 from roseinfer.sampling_params import SamplingParams
+from roseinfer.step_timings import PhaseClock, StepTimings
 from roseinfer.worker.model_runner import ModelRunner, kv_block_bytes
 
 logger = logging.getLogger("roseinfer")
@@ -115,6 +116,7 @@ class InferenceEngine:
         self._groups: dict[int, RequestGroup] = {}
         self._sequences: dict[int, tuple[RequestGroup, int]] = {}
         self.stats = EngineStats()
+        self.timings = StepTimings()
         logger.info(
             "loaded %s (%s, %d layers) on %s/%s, quantization %s, in %.1fs; KV cache: %d blocks of %d tokens "
             "(%.2f GiB), max_model_len %d",
@@ -252,7 +254,9 @@ class InferenceEngine:
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[OutputDelta]:
         """Run one scheduled batch; returns what each touched sequence produced."""
+        clock = PhaseClock(self.timings)
         scheduled = self.scheduler.schedule()
+        clock.lap("schedule")
         if scheduled.empty:
             stuck = self.scheduler.stuck_request()
             if stuck is None:
@@ -262,7 +266,7 @@ class InferenceEngine:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
         try:
-            result = self.runner.execute(scheduled)
+            result = self.runner.execute(scheduled, clock)
         except Exception as exc:  # keep serving the other requests
             logger.exception("model step failed; ending the %d requests in it", len(scheduled.requests))
             return self._fail(scheduled.requests, f"{type(exc).__name__}: {exc}")
@@ -275,6 +279,8 @@ class InferenceEngine:
             except Exception as exc:
                 logger.exception("post-processing request %d failed", request.request_id)
                 deltas.extend(self._fail([request], f"{type(exc).__name__}: {exc}"))
+        clock.lap("update")
+        self.timings.steps += 1
         return deltas
 
     def _append_token(self, request: Request, token_id: int, logprob: TokenLogprob | None) -> OutputDelta:

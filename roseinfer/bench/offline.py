@@ -17,6 +17,7 @@ import torch
 
 from roseinfer.bench.prompts import user_messages
 from roseinfer.cli import add_engine_args, engine_args
+from roseinfer.step_timings import StepTimings
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Measurement:
     requests: int
     output_tokens: int
     seconds: float
+    timings: StepTimings | None = None  # roseinfer's own: where its step time went
 
     @property
     def tokens_per_second(self) -> float:
@@ -36,16 +38,19 @@ def _measure_roseinfer(llm, args: argparse.Namespace, prompts: list[list[int]]) 
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(max_tokens=4), use_tqdm=False)
-    started = time.perf_counter()
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    elapsed = time.perf_counter() - started
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    results = [Measurement("roseinfer", len(prompts), tokens, elapsed)]
-    if args.single_stream:
+    llm.engine.kv_cache.reset_prefix_cache()  # the warm-up must not prefill the workload's prompts
+
+    def run(name: str, batch: list[list[int]]) -> Measurement:
+        before = llm.engine.timings.snapshot()
         started = time.perf_counter()
-        single = llm.generate(prompt_token_ids=prompts[:1], sampling_params=params, use_tqdm=False)
+        outputs = llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
         elapsed = time.perf_counter() - started
-        results.append(Measurement("roseinfer single-stream", 1, len(single[0].outputs[0].token_ids), elapsed))
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return Measurement(name, len(batch), tokens, elapsed, llm.engine.timings.since(before))
+
+    results = [run("roseinfer", prompts)]
+    if args.single_stream:
+        results.append(run("roseinfer single-stream", prompts[:1]))
     return results
 
 
@@ -129,6 +134,20 @@ def _print_table(args: argparse.Namespace, rows: list[Measurement]) -> None:
     if single and "roseinfer single-stream" in by_name:
         ratio = by_name["roseinfer single-stream"].tokens_per_second / single.tokens_per_second
         print(f"ratio roseinfer / transformers (single stream): {ratio:.2f}x")
+    if args.profile:
+        for row in rows:
+            if row.timings is not None:
+                print_step_profile(row.system, row.timings)
+
+
+def print_step_profile(name: str, timings: StepTimings) -> None:
+    """Per-step milliseconds of each phase; everything but `forward` is engine overhead."""
+    steps = max(timings.steps, 1)
+    print(f"\n{name}: {timings.steps} steps, {1000 * timings.total / steps:.1f} ms per step")
+    for phase in StepTimings.PHASES:
+        seconds = getattr(timings, phase)
+        print(f"  {phase:<10} {1000 * seconds / steps:8.2f} ms  {100 * seconds / max(timings.total, 1e-9):5.1f}%")
+    print(f"  engine overhead (all but forward): {100 * timings.overhead_fraction:.1f}% of step time")
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
@@ -140,10 +159,19 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-single-stream", dest="single_stream", action="store_false")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--profile", action="store_true",
+                        help="print where roseinfer's step time goes (schedule, prepare, forward, ...)")
     add_engine_args(parser)
     parser.set_defaults(handler=run_offline)
 
 
 def write_json(path: Path, rows: list[Measurement], extra: dict) -> None:
-    payload = {"results": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in rows], **extra}
+    payload = {
+        "results": [
+            asdict(r) | {"tokens_per_second": r.tokens_per_second}
+            | ({"overhead_fraction": r.timings.overhead_fraction} if r.timings else {})
+            for r in rows
+        ],
+        **extra,
+    }
     path.write_text(json.dumps(payload, indent=2))

@@ -19,6 +19,7 @@ from roseinfer.core.scheduler import SchedulerOutput
 from roseinfer.layers.attention import AttentionMetadata, PrefillChunk, causal_mask_with_prefix
 from roseinfer.outputs import TokenLogprob
 from roseinfer.request import Request
+from roseinfer.step_timings import PhaseClock, StepTimings
 from roseinfer.worker.sampler import Sampler, SamplingBatch
 
 
@@ -73,15 +74,21 @@ class ModelRunner:
 
     # -- one step -------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, step: SchedulerOutput, clock: PhaseClock | None = None) -> ModelRunnerOutput:
+        clock = clock or PhaseClock(StepTimings())
         if step.blocks_to_copy:
             self._copy_blocks(step.blocks_to_copy)
         inputs = self.prepare_inputs(step)
+        clock.lap("prepare")
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not inputs.sampling_requests:
+            clock.lap("forward")
             return ModelRunnerOutput([], [])
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        return self.sample(logits, inputs.sampling_requests)
+        clock.lap("forward")
+        output = self.sample(logits, inputs.sampling_requests)
+        clock.lap("sample")
+        return output
 
     @torch.inference_mode()
     def compute_logits_for(self, step: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
