@@ -30,6 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    group.add_argument("--attention-backend", default="auto", choices=("auto", "cpp", "torch"),
+                       help="decode attention: the compiled CPU kernel (cpp), PyTorch SDPA (torch), or "
+                            "auto (cpp on the CPU when it builds)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the KV cache of prompt prefixes computed before (default: on)")
 
@@ -48,6 +51,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        attention_backend=args.attention_backend,
     )
 
 

@@ -10,6 +10,8 @@ import torch
 from roseinfer.errors import InvalidRequestError
 from roseinfer.layers.linear import QUANTIZATION_METHODS
 
+ATTENTION_BACKENDS = ("auto", "cpp", "torch")
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -63,6 +65,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes computed before
+    attention_backend: str = "auto"  # auto | cpp (compiled CPU decode kernel) | torch (SDPA)
     seed: int = 0
     served_model_name: str | None = None
 
@@ -88,6 +91,8 @@ class EngineConfig:
             raise bad("max_model_len", f"must be at least 2, got {self.max_model_len}")
         if self.dtype not in ("auto", *_DTYPES):
             raise bad("dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATION_METHODS:
             raise bad("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
         self.torch_device  # noqa: B018 - validates the device string early

@@ -110,7 +110,9 @@ class InferenceEngine:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.max_model_len = self._max_model_len(num_blocks)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.device, self.dtype)
+        self.runner = ModelRunner(
+            self.model, self.model_config, self.kv_cache, self.device, self.dtype, config.attention_backend
+        )
         torch.manual_seed(config.seed)
         self._ids = itertools.count()
         self._groups: dict[int, RequestGroup] = {}

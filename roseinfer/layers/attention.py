@@ -6,12 +6,15 @@ blocks, found through its block table. The pool of one layer is a tensor
 `[2, num_blocks, block_size, num_kv_heads, head_dim]` (keys, values).
 
 `AttentionMetadata` is built once per step by the model runner and shared by every layer. The
-math lives behind `PagedAttention.forward`, a small interface that another backend (a fused CPU
-kernel, a CUDA kernel) can replace without touching the model code.
+math lives behind `PagedAttention.forward`, a small interface that another backend can replace
+without touching the model code. Decode steps take one of two paths: a compiled kernel that reads
+the pool through the block tables (`decode_kernel`, see cpu_kernels.py), or plain PyTorch, which
+gathers each request's blocks into a padded copy and runs SDPA with a length mask.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,13 +33,17 @@ class PrefillChunk:
     mask: torch.Tensor | None = None  # [query_len, num_cached + query_len] when num_cached > 0
 
 
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes in the pool
     num_decode_tokens: int = 0  # the batch's first tokens, one per decoding request
-    decode_block_ids: torch.Tensor | None = None  # [num_decodes * max_blocks] flattened tables
-    decode_max_blocks: int = 0
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with 0
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] tokens each attends to
+    decode_mask: torch.Tensor | None = None  # PyTorch path: [num_decodes, 1, 1, max_blocks * block_size]
+    decode_kernel: DecodeKernel | None = None  # (q, k_pool, v_pool, tables, lens, scale) -> out
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -102,13 +109,14 @@ class PagedAttention(nn.Module):
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.decode_kernel is not None:
+            return meta.decode_kernel(
+                q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )
         batch = q.shape[0]
-        keys = gather_blocks(kv_cache[0], meta.decode_block_ids).view(
-            batch, -1, self.num_kv_heads, self.head_dim
-        )
-        values = gather_blocks(kv_cache[1], meta.decode_block_ids).view(
-            batch, -1, self.num_kv_heads, self.head_dim
-        )
+        block_ids = meta.decode_block_tables.view(-1)
+        keys = gather_blocks(kv_cache[0], block_ids).view(batch, -1, self.num_kv_heads, self.head_dim)
+        values = gather_blocks(kv_cache[1], block_ids).view(batch, -1, self.num_kv_heads, self.head_dim)
         # One query token per request: the heads sharing a KV head become that head's query rows,
         # so grouped-query attention needs no copies of K and V.
         grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim)

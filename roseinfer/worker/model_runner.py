@@ -16,11 +16,30 @@ from torch import nn
 from roseinfer.config import ModelConfig
 from roseinfer.core.kv_cache_manager import BlockCopy, KVCacheManager
 from roseinfer.core.scheduler import SchedulerOutput
-from roseinfer.layers.attention import AttentionMetadata, PrefillChunk, causal_mask_with_prefix
+from roseinfer.errors import InvalidRequestError
+from roseinfer.layers.attention import (
+    AttentionMetadata,
+    DecodeKernel,
+    PrefillChunk,
+    causal_mask_with_prefix,
+)
+from roseinfer.layers.cpu_kernels import paged_attention_kernels
 from roseinfer.outputs import TokenLogprob
 from roseinfer.request import Request
 from roseinfer.step_timings import PhaseClock, StepTimings
 from roseinfer.worker.sampler import Sampler, SamplingBatch
+
+
+def decode_kernel_for(attention_backend: str, device: torch.device) -> DecodeKernel | None:
+    """The compiled decode kernel for `cpp` (and for `auto` on the CPU when it builds)."""
+    if attention_backend == "torch" or (attention_backend == "auto" and device.type != "cpu"):
+        return None
+    if device.type != "cpu":
+        raise InvalidRequestError(f"attention_backend 'cpp' runs on the CPU only, not {device}", "attention_backend")
+    kernels = paged_attention_kernels()
+    if kernels is None and attention_backend == "cpp":
+        raise InvalidRequestError("attention_backend 'cpp': the C++ kernel could not be built", "attention_backend")
+    return kernels.paged_decode_attention if kernels is not None else None
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -55,6 +74,7 @@ class ModelRunner:
         kv_cache: KVCacheManager,
         device: torch.device,
         dtype: torch.dtype,
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
         self.config = config
@@ -70,6 +90,7 @@ class ModelRunner:
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
         ]
         self.sampler = Sampler()
+        self.decode_kernel = decode_kernel_for(attention_backend, device)
         self._generators: dict[int, torch.Generator] = {}
 
     # -- one step -------------------------------------------------------------------------
@@ -149,12 +170,14 @@ class ModelRunner:
         for row, request in enumerate(requests):
             table = tables[request.request_id][:max_blocks]
             padded[row, : len(table)] = table
-        key_positions = np.arange(max_blocks * self.block_size)
-        mask = key_positions[None, :] < lengths[:, None]
         meta.num_decode_tokens = len(requests)
-        meta.decode_max_blocks = max_blocks
-        meta.decode_block_ids = self._tensor(padded.reshape(-1))
-        meta.decode_mask = self._tensor(mask[:, None, None, :])
+        meta.decode_block_tables = self._tensor(padded)
+        meta.decode_context_lens = self._tensor(lengths)
+        meta.decode_kernel = self.decode_kernel
+        if self.decode_kernel is None:
+            key_positions = np.arange(max_blocks * self.block_size)
+            mask = key_positions[None, :] < lengths[:, None]
+            meta.decode_mask = self._tensor(mask[:, None, None, :])
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
