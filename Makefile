@@ -28,8 +28,9 @@ setup: $(RUNTIME)
 
 setup-test: $(TESTDEPS)
 
-# Until the server lands, `make serve` runs the offline demo.
-serve: run
+# The OpenAI-compatible server on the default model at 127.0.0.1:8000 (Ctrl-C stops it cleanly).
+serve: setup
+	$(VENV)/bin/roseinfer serve --host 127.0.0.1 --port 8000
 
 run: setup
 	$(VENV)/bin/roseinfer generate --chat --max-new-tokens 64 \

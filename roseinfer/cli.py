@@ -134,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(generate)
     generate.set_defaults(handler=run_generate)
 
+    from roseinfer.server import add_server_args, run_server
+
+    serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(handler=run_server)
+
     from roseinfer import bench
 
     bench.add_parser(commands)

@@ -22,7 +22,13 @@ from roseinfer.core.scheduler import Scheduler
 from roseinfer.errors import InvalidRequestError
 from roseinfer.models.loader import load_model
 from roseinfer.output_processor import SequenceText
-from roseinfer.outputs import CompletionOutput, OutputDelta, RequestOutput, TokenLogprob
+from roseinfer.outputs import (
+    CompletionOutput,
+    OutputDelta,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
 from roseinfer.request import Request, RequestStatus
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.step_timings import PhaseClock, StepTimings
@@ -58,7 +64,15 @@ class RequestGroup:
             )
             for seq, text in zip(self.sequences, self.texts, strict=True)
         ]
-        return RequestOutput(self.group_id, self.prompt, self.prompt_token_ids, outputs, self.finished)
+        first = self.sequences[0]
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=min((s.first_token_time for s in self.sequences if s.first_token_time), default=None),
+            finished_time=max((s.finished_time for s in self.sequences if s.finished_time), default=None),
+            num_cached_tokens=first.num_cached_tokens,
+        )
+        return RequestOutput(self.group_id, self.prompt, self.prompt_token_ids, outputs, self.finished, metrics)
 
 
 @dataclass
@@ -171,24 +185,28 @@ class InferenceEngine:
         *,
         prompt_token_ids: Sequence[int] | None = None,
         add_special_tokens: bool = True,
+        request_id: int | None = None,
+        arrival_time: float | None = None,
     ) -> int:
-        """Queue a request; returns its id. `prompt` may be text or token ids."""
+        """Queue a request; returns its id. `prompt` may be text or token ids. `request_id` is one
+        from `reserve_request_id` (callers that need the id before the request is added)."""
         params = sampling_params or SamplingParams()
         if prompt_token_ids is None and prompt is not None and not isinstance(prompt, str):
             prompt, prompt_token_ids = None, prompt
-        token_ids = self._prompt_token_ids(prompt, prompt_token_ids, add_special_tokens)
+        token_ids = self.prompt_token_ids(prompt, prompt_token_ids, add_special_tokens)
         room = self.max_model_len - len(token_ids) + 1  # the last sampled token needs no KV slot
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        group_id = next(self._ids)
+        group_id = self.reserve_request_id() if request_id is None else request_id
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         sequences: list[Request] = []
         for index in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = replace(params, seed=params.seed + index)
-            request_id = group_id if index == 0 else next(self._ids)
+            sequence_id = group_id if index == 0 else self.reserve_request_id()
             sequences.append(
                 Request(
-                    request_id=request_id,
+                    request_id=sequence_id,
                     prompt_token_ids=token_ids,
                     sampling_params=child_params,
                     max_tokens=max_tokens,
@@ -196,6 +214,7 @@ class InferenceEngine:
                     group_id=group_id,
                     index=index,
                     eos_token_ids=self.eos_token_ids,
+                    arrival_time=arrival,
                 )
             )
         group = RequestGroup(
@@ -210,9 +229,15 @@ class InferenceEngine:
             self.scheduler.add_request(seq, fork_from=sequences[0] if index else None)
         return group_id
 
-    def _prompt_token_ids(
-        self, prompt: str | None, token_ids: Sequence[int] | None, add_special_tokens: bool
+    def reserve_request_id(self) -> int:
+        """A fresh request id (thread-safe: `next` on a count is atomic)."""
+        return next(self._ids)
+
+    def prompt_token_ids(
+        self, prompt: str | None, token_ids: Sequence[int] | None, add_special_tokens: bool = True
     ) -> list[int]:
+        """The prompt as validated token ids (tokenized if text). Touches no engine state, so
+        servers may call it from any thread before queueing the request."""
         if token_ids is not None:
             ids = list(token_ids)
             vocab = self.model_config.vocab_size

@@ -30,12 +30,24 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When things happened to a request (time.monotonic seconds) and what the cache saved it."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first scheduling
+
+
+@dataclass
 class RequestOutput:
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    metrics: RequestMetrics | None = None
 
 
 @dataclass

@@ -135,6 +135,8 @@ class Scheduler:
                 break
             self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
+            if not request.num_preemptions:
+                request.num_cached_tokens = num_cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

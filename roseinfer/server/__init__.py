@@ -1,0 +1,66 @@
+"""The OpenAI-compatible HTTP server: `roseinfer serve` (or the seed's `python -m roseinfer.server`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+
+logger = logging.getLogger("roseinfer.server")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    group.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (/health stays open)")
+    group.add_argument("--max-queue-len", type=int, default=None,
+                       help="answer 503 at once when this many requests are already waiting")
+    group.add_argument("--stats-interval", type=float, default=10.0, help="seconds between throughput log lines")
+    group.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before aborting them")
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a SIGINT/SIGTERM ends in a normal exit (status 0) after the
+        graceful shutdown, where uvicorn re-raises the signal once it is done."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from roseinfer.cli import engine_args
+    from roseinfer.engine import InferenceEngine
+    from roseinfer.errors import RoseInferError
+    from roseinfer.server.app import create_app
+
+    if args.max_queue_len is not None and args.max_queue_len < 1:
+        raise RoseInferError(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
+    engine = InferenceEngine(**(engine_args(args) | {"served_model_name": args.served_model_name}))
+    app = create_app(engine, args.served_model_name, args.api_key, args.max_queue_len, args.stats_interval)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="warning", access_log=False,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    server = _server_class()(config)
+    logger.info("listening on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
+    server.run()  # returns after SIGINT/SIGTERM: stops accepting, drains, then the engine stops
+    return 0

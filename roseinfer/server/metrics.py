@@ -1,0 +1,73 @@
+"""Prometheus metrics, named like vLLM's (`vllm:` becomes `roseinfer:`), on a registry of their own.
+
+Gauges are read from the engine at scrape time; counters and histograms are fed by the manager as
+requests progress. prometheus-client is thread-safe, so the engine thread may update them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                          0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, gauges: dict[str, Callable[[], float]]) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"labelnames": ["model_name"], "registry": self.registry}
+        self._model = model_name
+
+        def gauge(name: str, doc: str, read: Callable[[], float]) -> None:
+            Gauge(name, doc, **labels).labels(model_name).set_function(read)
+
+        gauge("roseinfer:num_requests_running", "Requests in the running batch.", gauges["running"])
+        gauge("roseinfer:num_requests_waiting", "Requests waiting to be scheduled.", gauges["waiting"])
+        gauge("roseinfer:kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0..1).",
+              gauges["kv_usage"])
+        gauge("roseinfer:max_num_batched_requests", "The most requests one engine step has run together.",
+              gauges["max_batch"])
+        gauge("roseinfer:num_preemptions", "Requests preempted for lack of KV blocks, in total.",
+              gauges["preemptions"])
+        gauge("roseinfer:prefix_cache_queries", "Prompt tokens looked up in the prefix cache, in total.",
+              gauges["prefix_queries"])
+        gauge("roseinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache, in total.",
+              gauges["prefix_hits"])
+
+        self.prompt_tokens = Counter("roseinfer:prompt_tokens", "Prompt tokens processed.", **labels).labels(model_name)
+        self.generation_tokens = Counter(
+            "roseinfer:generation_tokens", "Tokens generated.", **labels
+        ).labels(model_name)
+        self.request_success = Counter(
+            "roseinfer:request_success", "Requests finished, by finish reason.",
+            labelnames=["model_name", "finished_reason"], registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "roseinfer:time_to_first_token_seconds", "Time from arrival to the first token.",
+            buckets=_LATENCY_BUCKETS, **labels,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "roseinfer:inter_token_latency_seconds", "Time between two tokens of a request.",
+            buckets=_TOKEN_LATENCY_BUCKETS, **labels,
+        ).labels(model_name)
+        self.e2e_latency = Histogram(
+            "roseinfer:e2e_request_latency_seconds", "Time from arrival to the last token.",
+            buckets=_LATENCY_BUCKETS, **labels,
+        ).labels(model_name)
+        self.queue_time = Histogram(
+            "roseinfer:request_queue_time_seconds", "Time from arrival to first scheduling.",
+            buckets=_LATENCY_BUCKETS, **labels,
+        ).labels(model_name)
+
+    def finished(self, reason: str) -> None:
+        self.request_success.labels(self._model, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
