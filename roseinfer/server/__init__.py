@@ -51,11 +51,14 @@ def run_server(args: argparse.Namespace) -> int:
     from roseinfer.engine import InferenceEngine
     from roseinfer.errors import RoseInferError
     from roseinfer.server.app import create_app
+    from roseinfer.server.manager import SchedulerManager
 
     if args.max_queue_len is not None and args.max_queue_len < 1:
         raise RoseInferError(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
-    engine = InferenceEngine(**(engine_args(args) | {"served_model_name": args.served_model_name}))
-    app = create_app(engine, args.served_model_name, args.api_key, args.max_queue_len, args.stats_interval)
+    settings = engine_args(args) | {"served_model_name": args.served_model_name}
+    # The engine is built in the engine thread, where all of its PyTorch work will run.
+    manager = SchedulerManager(lambda: InferenceEngine(**settings), args.max_queue_len, args.stats_interval)
+    app = create_app(manager, args.served_model_name, args.api_key)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=args.shutdown_timeout,

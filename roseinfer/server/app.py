@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from roseinfer.engine import InferenceEngine
 from roseinfer.errors import InvalidRequestError
 from roseinfer.server.manager import QueueFullError, SchedulerManager
 from roseinfer.server.metrics import CONTENT_TYPE
@@ -94,13 +93,12 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Respon
 
 
 def create_app(
-    engine: InferenceEngine,
+    manager: SchedulerManager,
     served_model_name: str | None = None,
     api_key: str | None = None,
-    max_queue_len: int | None = None,
-    stats_interval: float = 10.0,
 ) -> FastAPI:
-    manager = SchedulerManager(engine, max_queue_len=max_queue_len, stats_interval=stats_interval)
+    """The app over a started SchedulerManager (which owns the engine and its thread)."""
+    engine = manager.engine
     model_name = served_model_name or engine.model_name
     serving = OpenAIServing(manager, model_name)
 
