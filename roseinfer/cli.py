@@ -121,6 +121,16 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from roseinfer.models.export import export_gguf_to_hf
+
+    output = export_gguf_to_hf(Path(args.model) if args.model else None, Path(args.output))
+    print(f"wrote {output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="roseinfer", description="LLM inference engine and server")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
@@ -133,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_seed_sampling_args(generate)
     add_engine_args(generate)
     generate.set_defaults(handler=run_generate)
+
+    export = commands.add_parser("export-hf", help="write a GGUF model as a Hugging Face directory")
+    export.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    export.add_argument("--output", required=True, help="directory to write")
+    export.set_defaults(handler=run_export)
 
     from roseinfer.server import add_server_args, run_server
 
