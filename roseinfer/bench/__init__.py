@@ -6,10 +6,11 @@ import argparse
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from roseinfer.bench import offline, quality, serve
+    from roseinfer.bench import offline, prefix_cache, quality, serve
 
     bench = commands.add_parser("bench", help="benchmarks (offline throughput, ...)")
     kinds = bench.add_subparsers(dest="bench", required=True)
     offline.add_parser(kinds)
     quality.add_parser(kinds)
     serve.add_parser(kinds)
+    prefix_cache.add_parser(kinds)
