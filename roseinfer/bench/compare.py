@@ -108,8 +108,12 @@ def _servers(args: argparse.Namespace) -> list[tuple[str, list[str], dict[str, s
 
     gguf = Path(args.model) if args.model else default_model_path()
     port = _free_port()
-    servers = [("roseinfer", _roseinfer("serve", "--port", str(port), *(["--model", str(gguf)] if args.model else [])),
-                {}, port)]
+    model = ["--model", str(gguf)] if args.model else []
+    servers = [("roseinfer", _roseinfer("serve", "--port", str(port), *model), {}, port)]
+    for variant in args.roseinfer_variant:
+        port = _free_port()
+        servers.append((f"roseinfer {variant}", _roseinfer("serve", "--port", str(port), *model, *variant.split()),
+                        {}, port))
     if args.vllm_python:
         hf_dir = Path(tempfile.gettempdir()) / f"roseinfer-export-{gguf.stem}"
         if not (hf_dir / "config.json").is_file():
@@ -118,7 +122,7 @@ def _servers(args: argparse.Namespace) -> list[tuple[str, list[str], dict[str, s
         servers.append(("vLLM", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                                  str(hf_dir), "--served-model-name", gguf.stem, "--port", str(port),
                                  "--dtype", "float32", "--max-num-seqs", str(args.num_prompts)],
-                        {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "all"}, port))
+                        {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}, port))
     else:
         print("note: vLLM skipped (give --vllm-python PATH, a Python with `vllm` importable)")
     if args.llama_server:
@@ -212,5 +216,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--vllm-python", default=None, help="a Python interpreter that can import vllm")
     parser.add_argument("--llama-server", default=None, help="a llama-server binary")
     parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server -np (slots)")
+    parser.add_argument("--roseinfer-variant", action="append", default=[], metavar="FLAGS",
+                        help="also serve roseinfer with these flags, e.g. '--dtype bfloat16' (repeatable)")
     parser.add_argument("--json", type=Path, default=None)
     parser.set_defaults(handler=run_compare)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import statistics
 import time
@@ -131,8 +132,10 @@ async def run_load(
     seed: int = 0,
     api_key: str | None = None,
 ) -> dict[str, Any]:
-    """Send the workload; returns the summary (and the per-request results under 'requests')."""
+    """Send the workload; returns the summary."""
     import httpx
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
