@@ -28,7 +28,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="memory for the KV cache in GiB (default 2)")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
     group.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="token budget of one step (default: 1024 on the CPU, 8192 on a GPU)")
     group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     group.add_argument("--attention-backend", default="auto", choices=("auto", "cpp", "torch"),
                        help="decode attention: the compiled CPU kernel (cpp), PyTorch SDPA (torch), or "

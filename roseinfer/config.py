@@ -62,7 +62,10 @@ class EngineConfig:
     kv_cache_memory: float | None = None  # GiB for the KV pool; default below
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # Tokens one step may run. None: 1024 on the CPU, where a step of 1024 prompt tokens takes
+    # about 1.3 s and smaller steps let half of a burst see its first token sooner (TTFT p50 of 64
+    # requests at once: 1.3 s with 1024, 2.4 s with 2048, same throughput); 8192 on a GPU.
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes computed before
     attention_backend: str = "auto"  # auto | cpp (compiled CPU decode kernel) | torch (SDPA)
@@ -83,6 +86,8 @@ class EngineConfig:
             raise bad("num_kv_blocks", f"must be at least 1, got {self.num_kv_blocks}")
         if self.max_num_seqs < 1:
             raise bad("max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 1024 if self.torch_device.type == "cpu" else 8192
         if self.max_num_batched_tokens < 1:
             raise bad(
                 "max_num_batched_tokens", f"must be at least 1, got {self.max_num_batched_tokens}"
