@@ -58,7 +58,7 @@ def test_int8_weight_only_matches_its_dequantized_weight(rows):
 def int4_dequantized(linear: nn.Linear) -> torch.Tensor:
     """The weight an Int4WeightOnlyLinear multiplies by: (code - 8) * scale + zero, per group."""
     layer = Int4WeightOnlyLinear(linear)
-    codes, _, _ = quantize_int4_groups(linear.weight, scale_dtype=torch.bfloat16)
+    codes, _, _ = quantize_int4_groups(linear.weight)
     scale, zero = bf16(layer.scales_and_zeros).unbind(-1)  # [K / 32, N] each
     groups = (codes.float() - 8).view(linear.out_features, -1, 32)
     return (groups * scale.T[..., None] + zero.T[..., None]).view_as(linear.weight)
@@ -110,9 +110,9 @@ def with_dequantized_weights(model: nn.Module, quantization: str) -> nn.Module:
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        if quantization == "int8" or (quantization == "int4" and name == "lm_head"):
+        if quantization == "int8":
             module.weight.copy_(Int8WeightOnlyLinear(module).dequantized_weight())
-        elif quantization == "int4":
+        elif quantization == "int4" and name != "lm_head":  # the head stays in float
             module.weight.copy_(int4_dequantized(module))
     return model
 
