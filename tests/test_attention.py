@@ -8,14 +8,14 @@ from support import compare_logits_step_by_step, tiny_hf_model
 
 from roseinfer import InferenceEngine
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
-from roseinfer.layers.cpu_kernels import paged_attention_kernels
+from roseinfer.layers.cpu_kernels import cpu_kernels
 
 BLOCK_SIZE = 16
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    kernels = paged_attention_kernels()
+    kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("the C++ kernel cannot be built on this machine (no compiler)")
     return kernels.paged_decode_attention

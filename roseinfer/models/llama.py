@@ -14,6 +14,7 @@ from torch import nn
 
 from roseinfer.config import ModelConfig
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
+from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.rotary import (
     RotaryEmbedding,
     apply_rotary,
@@ -21,16 +22,6 @@ from roseinfer.layers.rotary import (
     rope_inverse_frequencies,
 )
 from roseinfer.models.weights import WeightLoader
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -92,9 +83,23 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden, rotations, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotations, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotations: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Takes and returns (this layer's input before its residual add, the residual stream):
+        the add is left to the next norm, which does both in one pass."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, rotations, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaBackbone(nn.Module):
@@ -125,9 +130,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [num_tokens, hidden] of a flattened batch (no padding)."""
         hidden = self.model.embed_tokens(input_ids)
         rotations = self.rotary.rotations(positions)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rotations, kv_cache, meta)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, rotations, kv_cache, meta)
+        return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -23,7 +23,7 @@ from roseinfer.layers.attention import (
     PrefillChunk,
     causal_mask_with_prefix,
 )
-from roseinfer.layers.cpu_kernels import paged_attention_kernels
+from roseinfer.layers.cpu_kernels import cpu_kernels
 from roseinfer.outputs import TokenLogprob
 from roseinfer.request import Request
 from roseinfer.step_timings import PhaseClock, StepTimings
@@ -36,7 +36,7 @@ def decode_kernel_for(attention_backend: str, device: torch.device) -> DecodeKer
         return None
     if device.type != "cpu":
         raise InvalidRequestError(f"attention_backend 'cpp' runs on the CPU only, not {device}", "attention_backend")
-    kernels = paged_attention_kernels()
+    kernels = cpu_kernels()
     if kernels is None and attention_backend == "cpp":
         raise InvalidRequestError("attention_backend 'cpp': the C++ kernel could not be built", "attention_backend")
     return kernels.paged_decode_attention if kernels is not None else None
