@@ -169,19 +169,20 @@ def print_report(report: dict[str, Any]) -> None:
     offline = {row["system"]: row["tokens_per_second"] for row in report["offline"]}
     served = report["served"]
     print(f"\nmachine: {report['machine']}; workload: {report['workload']}")
-    print(f"{'system':<46} {'tok/s (batch)':>13} {'TTFT p50':>9} {'Poisson TTFT/TPOT p50':>22} {'1 stream':>9}")
+    width = max([len(f"{name} (offline)") for name in offline] + [len(f"{name} (served)") for name in served] + [6])
+    print(f"{'system':<{width}} {'tok/s (batch)':>13} {'TTFT p50':>9} {'Poisson TTFT/TPOT p50':>22} {'1 stream':>9}")
     for system, value in offline.items():
         if "single-stream" in system:
             continue
         single = offline.get(system.replace("roseinfer", "roseinfer single-stream")
                              if system.startswith("roseinfer") else "transformers single-stream")
-        print(f"{system + ' (offline)':<46} {value:>13.1f} {'':>9} {'':>22} {single or 0:>9.1f}")
+        print(f"{system + ' (offline)':<{width}} {value:>13.1f} {'':>9} {'':>22} {single or 0:>9.1f}")
     for system, value in offline.items():
         if system.startswith("roseinfer single-stream ("):
-            print(f"{system + ' (offline)':<46} {'':>13} {'':>9} {'':>22} {value:>9.1f}")
+            print(f"{system + ' (offline)':<{width}} {'':>13} {'':>9} {'':>22} {value:>9.1f}")
     for name, runs in served.items():
         a, p, s = runs["all_at_once"], runs["poisson"], runs["single_stream"]
-        print(f"{name + ' (served)':<46} {a['output_throughput']:>13.1f} {a['ttft_p50_ms']:>7.0f}ms "
+        print(f"{name + ' (served)':<{width}} {a['output_throughput']:>13.1f} {a['ttft_p50_ms']:>7.0f}ms "
               f"{p['ttft_p50_ms']:>10.0f} / {p['tpot_p50_ms']:>6.1f} ms {s['output_throughput']:>9.1f}")
     print()
     best_hf = max((v for k, v in offline.items() if k.startswith("transformers (static")), default=None)
@@ -193,6 +194,9 @@ def print_report(report: dict[str, Any]) -> None:
         vllm = served["vLLM"]["all_at_once"]
         print(f"served roseinfer / vLLM: {ours['all_at_once']['output_throughput'] / vllm['output_throughput']:.2f}x "
               f"(target >= 1.5x); TTFT p50 {ours['all_at_once']['ttft_p50_ms']:.0f} vs {vllm['ttft_p50_ms']:.0f} ms")
+        for name, runs in served.items():
+            if name.startswith("roseinfer "):  # the variants (other dtypes, quantization)
+                print(f"served {name} / vLLM: {runs['all_at_once']['output_throughput'] / vllm['output_throughput']:.2f}x")
     if ours:
         print(f"Poisson: TTFT p50 {ours['poisson']['ttft_p50_ms']:.0f} ms (target <= 200), "
               f"TPOT p50 {ours['poisson']['tpot_p50_ms']:.1f} ms (target <= 42)")
