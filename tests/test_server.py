@@ -246,16 +246,22 @@ def test_a_client_that_disconnects_frees_its_request(server, client):
     assert metric(server, "roseinfer:kv_cache_usage_perc") == 0
 
 
-def test_metrics_are_exported(server):
+def test_metrics_are_exported(server, client):
+    # The same two-block prompt twice: the second finds its first block in the prefix cache.
+    prompt = " ".join(["tea"] * 40)
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     text = httpx.get(server.url + "/metrics").text
     for name in ("roseinfer:num_requests_running", "roseinfer:num_requests_waiting", "roseinfer:kv_cache_usage_perc",
                  "roseinfer:prompt_tokens_total", "roseinfer:generation_tokens_total",
                  "roseinfer:request_success_total", "roseinfer:time_to_first_token_seconds_bucket",
                  "roseinfer:inter_token_latency_seconds_bucket", "roseinfer:e2e_request_latency_seconds_bucket",
-                 "roseinfer:request_queue_time_seconds_bucket", "roseinfer:prefix_cache_queries",
-                 "roseinfer:prefix_cache_hits"):
+                 "roseinfer:request_queue_time_seconds_bucket", "roseinfer:num_preemptions_total"):
         assert name in text, name
     assert metric(server, "roseinfer:generation_tokens_total") > 0
+    # Counters the engine keeps, typed as counters like vLLM's.
+    assert "# TYPE roseinfer:prefix_cache_queries_total counter" in text
+    assert metric(server, "roseinfer:prefix_cache_queries_total") >= metric(server, "roseinfer:prefix_cache_hits_total") > 0
     assert 'finished_reason="length"' in text
 
 

@@ -66,6 +66,7 @@ class SchedulerManager:
             "waiting": lambda: self.scheduler.num_queued,
             "kv_usage": lambda: engine.kv_cache.usage,
             "max_batch": lambda: engine.scheduler.stats.max_batch_requests,
+        }, totals={
             "preemptions": lambda: engine.scheduler.stats.num_preemptions,
             "prefix_queries": lambda: engine.kv_cache.prefix_stats.queries,
             "prefix_hits": lambda: engine.kv_cache.prefix_stats.hits,

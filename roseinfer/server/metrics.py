@@ -1,15 +1,18 @@
 """Prometheus metrics, named like vLLM's (`vllm:` becomes `roseinfer:`), on a registry of their own.
 
-Gauges are read from the engine at scrape time; counters and histograms are fed by the manager as
+Gauges, and the counters the engine keeps itself (preemptions, prefix-cache lookups), are read
+from the engine at scrape time; the other counters and the histograms are fed by the manager as
 requests progress. prometheus-client is thread-safe, so the engine thread may update them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -19,8 +22,27 @@ _TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.0
                           0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
+class _EngineTotals(Collector):
+    """Counters whose running totals the engine keeps; exposed as `<name>_total` when scraped."""
+
+    def __init__(self, model_name: str, totals: list[tuple[str, str, Callable[[], float]]]) -> None:
+        self._model = model_name
+        self._totals = totals
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, doc, read in self._totals:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model], read())
+            yield family
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, gauges: dict[str, Callable[[], float]]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        gauges: dict[str, Callable[[], float]],
+        totals: dict[str, Callable[[], float]],
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = {"labelnames": ["model_name"], "registry": self.registry}
         self._model = model_name
@@ -34,12 +56,12 @@ class ServerMetrics:
               gauges["kv_usage"])
         gauge("roseinfer:max_num_batched_requests", "The most requests one engine step has run together.",
               gauges["max_batch"])
-        gauge("roseinfer:num_preemptions", "Requests preempted for lack of KV blocks, in total.",
-              gauges["preemptions"])
-        gauge("roseinfer:prefix_cache_queries", "Prompt tokens looked up in the prefix cache, in total.",
-              gauges["prefix_queries"])
-        gauge("roseinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache, in total.",
-              gauges["prefix_hits"])
+        self.registry.register(_EngineTotals(model_name, [
+            ("roseinfer:num_preemptions", "Requests preempted for lack of KV blocks.", totals["preemptions"]),
+            ("roseinfer:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             totals["prefix_queries"]),
+            ("roseinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache.", totals["prefix_hits"]),
+        ]))
 
         self.prompt_tokens = Counter("roseinfer:prompt_tokens", "Prompt tokens processed.", **labels).labels(model_name)
         self.generation_tokens = Counter(
