@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from roseinfer.bench.prompts import user_messages
+from roseinfer.bench.prompts import chat_prompt_ids, user_chats
 from roseinfer.cli import add_engine_args, engine_args
 from roseinfer.step_timings import StepTimings
 
@@ -101,11 +101,7 @@ def workload_token_ids(tokenizer, count: int, prompts_file: Path | None) -> list
     if prompts_file is not None:
         rows = [json.loads(line) for line in prompts_file.read_text().splitlines() if line.strip()]
         return [row["prompt_ids"] for row in rows[:count]]
-    return [
-        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]),
-                         add_special_tokens=False)
-        for text in user_messages(count)
-    ]
+    return chat_prompt_ids(tokenizer, user_chats(count))
 
 
 def run_offline(args: argparse.Namespace) -> int:

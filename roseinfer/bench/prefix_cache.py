@@ -10,7 +10,7 @@ import json
 import statistics
 from pathlib import Path
 
-from roseinfer.bench.prompts import user_messages
+from roseinfer.bench.prompts import chat_prompt_ids, model_tokenizer, user_chats
 from roseinfer.cli import add_engine_args, engine_args
 
 _POLICY = (
@@ -42,17 +42,12 @@ def _run(settings: dict, prompts: list[list[int]], max_tokens: int) -> tuple[lis
 
 
 def run_prefix_bench(args: argparse.Namespace) -> int:
-    from roseinfer.engine import InferenceEngine
-
     settings = engine_args(args)
-    tokenizer = InferenceEngine(**(settings | {"num_kv_blocks": 16})).tokenizer
+    tokenizer = model_tokenizer(settings)
     system = system_prompt(tokenizer, args.system_tokens)
-    prompts = [
-        tokenizer.encode(tokenizer.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": question}]
-        ), add_special_tokens=False)
-        for question in user_messages(args.num_prompts)
-    ]
+    prompts = chat_prompt_ids(tokenizer, [
+        [{"role": "system", "content": system}, *chat] for chat in user_chats(args.num_prompts)
+    ])
     cached_ttft, cached_out = _run(settings | {"enable_prefix_caching": True}, prompts, args.max_tokens)
     plain_ttft, plain_out = _run(settings | {"enable_prefix_caching": False}, prompts, args.max_tokens)
     with_p50, without_p50 = statistics.median(cached_ttft), statistics.median(plain_ttft)

@@ -23,3 +23,24 @@ def user_messages(count: int) -> list[str]:
     """`count` questions, cycling through topic x task combinations."""
     pairs = [(task, topic) for task in _TASKS for topic in _TOPICS]
     return [pairs[i % len(pairs)][0].format(pairs[i % len(pairs)][1]) for i in range(count)]
+
+
+def chat_prompt_ids(tokenizer, conversations: list[list[dict[str, str]]]) -> list[list[int]]:
+    """Token ids of each conversation rendered by the model's chat template, ready to generate."""
+    return [
+        tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        for messages in conversations
+    ]
+
+
+def user_chats(count: int) -> list[list[dict[str, str]]]:
+    """`user_messages(count)`, each as a one-message conversation."""
+    return [[{"role": "user", "content": text}] for text in user_messages(count)]
+
+
+def model_tokenizer(settings: dict):
+    """The tokenizer (with chat template) of the model that `settings` (engine arguments) name.
+    Loaded through the smallest engine, which is freed at once."""
+    from roseinfer.engine import InferenceEngine
+
+    return InferenceEngine(**(settings | {"num_kv_blocks": 16, "max_model_len": 256})).tokenizer

@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from roseinfer.bench.prompts import user_messages
+from roseinfer.bench.prompts import chat_prompt_ids, model_tokenizer, user_chats
 from roseinfer.cli import add_engine_args, engine_args
 from roseinfer.layers.linear import QUANTIZATION_METHODS
 
@@ -46,15 +46,8 @@ def compare(reference: list[list[int]], candidate: list[list[int]]) -> dict[str,
 
 
 def run_quality(args: argparse.Namespace) -> int:
-    from roseinfer.engine import InferenceEngine
-
     base = engine_args(args)
-    tokenizer = InferenceEngine(**(base | {"num_kv_blocks": 16})).tokenizer
-    prompts = [
-        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]),
-                         add_special_tokens=False)
-        for text in user_messages(args.num_prompts)
-    ]
+    prompts = chat_prompt_ids(model_tokenizer(base), user_chats(args.num_prompts))
     reference, _ = _greedy(base | {"dtype": "float32", "quantization": "none"}, prompts, args.max_tokens)
     rows = []
     for method in args.methods:
