@@ -127,8 +127,12 @@ class Tokenizer:
         probe = backend.encode("", add_special_tokens=True).ids
         self.add_bos_token = bool(probe) and self.bos_token_id is not None and probe[0] == self.bos_token_id
         self.vocab_size = max(vocab_size or 0, backend.get_vocab_size(with_added_tokens=True))
-        # The ids decode(skip_special_tokens=True) drops, plus the named BOS/EOS/UNK/PAD.
-        special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
+        # The ids decode(skip_special_tokens=True) drops before decoding the rest.
+        self.skipped_ids = frozenset(
+            i for i, token in backend.get_added_tokens_decoder().items() if token.special
+        )
+        # Those plus the named BOS/EOS/UNK/PAD.
+        special = set(self.skipped_ids)
         named = [_token_id(backend, token) for token in self._template_tokens.values()]
         special.update(i for i in (*named, self.bos_token_id, self.eos_token_id) if i is not None)
         self.all_special_ids = frozenset(special)

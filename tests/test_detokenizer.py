@@ -148,3 +148,16 @@ def test_random_ids(smollm_tokenizer, tiny_spm_tokenizer, data):
         # streamed, so there exactness needs valid output.
         if tok is smollm_tokenizer or "\ufffd" not in full:
             assert "".join(deltas) + tail == full
+
+
+def test_sentencepiece_leading_space_after_a_textless_window(tiny_spm_tokenizer):
+    """Sentencepiece decoders drop the leading space of the first piece they decode. A window that
+    starts at a skipped special token, or at a lone '▁', gives no text of its own, so the next
+    piece would be decoded as if it were first: its space must not be lost."""
+    tok = tiny_spm_tokenizer
+    word = next(i for i in range(tok.vocab_size) if tok.decode([3, i]).startswith("\x00 ") and len(tok.decode([i])) > 1)
+    space = next(i for i in range(tok.vocab_size) if tok.decode([3, i]) == "\x00 ")
+    special = tok.eos_token_id
+    for ids in ([3, special, word], [3, space, word], [3, special, special, space, word], [3, space, space, word]):
+        _, deltas, tail = stream(tok, ids, skip=True)
+        assert "".join(deltas) + tail == tok.decode(ids, skip_special_tokens=True), ids
