@@ -1,7 +1,7 @@
 """roseinfer: an LLM inference engine and OpenAI-compatible server on PyTorch.
 
 Paged KV cache, continuous batching with chunked prefill and preemption, GGUF and Hugging Face
-models, offline (`LLM`, `InferenceEngine`, `OfflineScheduler`) and online serving.
+models, offline (`LLM`, `LLMEngine`) and online (`AsyncLLM` behind an OpenAI-compatible server) serving.
 
 Names are imported lazily, so `import roseinfer.core.scheduler` does not load torch or a model.
 """
@@ -19,35 +19,46 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LLM": "roseinfer.offline",
-    "OfflineScheduler": "roseinfer.offline",
-    "InferenceEngine": "roseinfer.engine",
+    "LLM": "roseinfer.llm",
+    "LLMEngine": "roseinfer.engine.llm_engine",
+    "AsyncLLM": "roseinfer.engine.async_llm",
     "EngineConfig": "roseinfer.config",
     "SamplingParams": "roseinfer.sampling_params",
-    "Request": "roseinfer.request",
-    "InferenceSession": "roseinfer.request",
+    "RequestOutputKind": "roseinfer.sampling_params",
     "RequestOutput": "roseinfer.outputs",
     "CompletionOutput": "roseinfer.outputs",
-    "OutputDelta": "roseinfer.outputs",
     "TokenLogprob": "roseinfer.outputs",
+    "Request": "roseinfer.request",
+    # The seed's names (roseinfer/engine/seed_api.py).
+    "InferenceEngine": "roseinfer.engine.seed_api",
+    "InferenceSession": "roseinfer.engine.seed_api",
+    "OfflineScheduler": "roseinfer.engine.seed_api",
+    "OnlineScheduler": "roseinfer.engine.seed_api",
+    "SchedulerManager": "roseinfer.engine.seed_api",
+    "OutputDelta": "roseinfer.engine.seed_api",
     "RoseInferError": "roseinfer.errors",
     "InvalidRequestError": "roseinfer.errors",
     "ModelLoadError": "roseinfer.errors",
 }
 __all__ = [
-    "LLM",
+    "AsyncLLM",
     "CompletionOutput",
     "EngineConfig",
     "InferenceEngine",
     "InferenceSession",
     "InvalidRequestError",
+    "LLM",
+    "LLMEngine",
     "ModelLoadError",
     "OfflineScheduler",
+    "OnlineScheduler",
     "OutputDelta",
     "Request",
     "RequestOutput",
+    "RequestOutputKind",
     "RoseInferError",
     "SamplingParams",
+    "SchedulerManager",
     "TokenLogprob",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
@@ -62,9 +73,18 @@ def __getattr__(name: str):
 
 if TYPE_CHECKING:
     from roseinfer.config import EngineConfig
-    from roseinfer.engine import InferenceEngine
+    from roseinfer.engine.async_llm import AsyncLLM
+    from roseinfer.engine.llm_engine import LLMEngine
+    from roseinfer.engine.seed_api import (
+        InferenceEngine,
+        InferenceSession,
+        OfflineScheduler,
+        OnlineScheduler,
+        OutputDelta,
+        SchedulerManager,
+    )
     from roseinfer.errors import InvalidRequestError, ModelLoadError, RoseInferError
-    from roseinfer.offline import LLM, OfflineScheduler
-    from roseinfer.outputs import CompletionOutput, OutputDelta, RequestOutput, TokenLogprob
-    from roseinfer.request import InferenceSession, Request
-    from roseinfer.sampling_params import SamplingParams
+    from roseinfer.llm import LLM
+    from roseinfer.outputs import CompletionOutput, RequestOutput, TokenLogprob
+    from roseinfer.request import Request
+    from roseinfer.sampling_params import RequestOutputKind, SamplingParams

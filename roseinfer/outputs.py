@@ -1,4 +1,5 @@
-"""What callers get back: vLLM-shaped final outputs and per-step deltas for streaming."""
+"""What callers get back, shaped like vLLM's: a `RequestOutput` per request, holding a
+`CompletionOutput` per generated sequence (whole, or only what is new, by `RequestOutputKind`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
     cumulative_logprob: float | None = None
     logprobs: list[TokenLogprob] | None = None
+    error: str | None = None  # with finish_reason "error": what went wrong
 
     @property
     def finished(self) -> bool:
@@ -45,26 +47,6 @@ class RequestOutput:
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]  # DELTA: only the sequences this step changed
     finished: bool = True
     metrics: RequestMetrics | None = None
-
-
-@dataclass
-class OutputDelta:
-    """What one engine step produced for one sequence: new tokens and the text they completed.
-
-    `text` never splits a multi-byte character and never contains a stop string. When `finished`,
-    this is the sequence's last delta and `finish_reason` says why.
-    """
-
-    request_id: int  # the group id the caller knows
-    index: int
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[TokenLogprob] | None = None
-    error: str | None = None
-    output: RequestOutput | None = None  # set on the delta that finishes the whole request

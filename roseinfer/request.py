@@ -1,11 +1,12 @@
-"""A request's state as the scheduler and the engine see it: token ids, progress, status."""
+"""A request's state inside the engine core: its token ids, progress and status."""
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
+from roseinfer.core.messages import EngineCoreRequest
 from roseinfer.sampling_params import SamplingParams
 
 
@@ -22,41 +23,55 @@ class RequestStatus(enum.Enum):
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
-@dataclass(eq=False)
 class Request:
-    """One sequence being generated (a request with n > 1 is n of these sharing a group id).
+    """One sequence being generated, as the scheduler sees it.
 
     `num_computed_tokens` counts the tokens whose K/V are in the cache. Each step the scheduler
-    gives the request `num_tokens - num_computed_tokens` new tokens (fewer when the budget is
-    short, so a long prompt is prefilled in chunks); when the request is caught up, the token
-    sampled from its last position is appended.
+    gives the request `num_tokens - num_computed_tokens` new tokens (fewer when the budget is short,
+    so a long prompt is prefilled in chunks); when it is caught up, the token sampled from its last
+    position is appended. `num_synced_tokens` and `synced_block_ids` record what the model runner
+    has been told, so each step sends it only what changed.
     """
 
-    request_id: int
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    max_tokens: int  # effective limit: the caller's, capped by the model's context
-    prompt: str | None = None
-    group_id: int = -1  # the id the caller knows; equals request_id unless n > 1
-    index: int = 0  # which of the group's n sequences
-    eos_token_ids: frozenset[int] = frozenset()
-    arrival_time: float = field(default_factory=time.monotonic)
-
-    def __post_init__(self) -> None:
-        if self.group_id < 0:
-            self.group_id = self.request_id
-        self.token_ids: list[int] = list(self.prompt_token_ids)
-        self.num_prompt_tokens = len(self.prompt_token_ids)
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int | None = None,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        arrival_time: float | None = None,
+        fork_of: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        # The effective limit: the caller's, capped by the model's context (by the input processor).
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        if self.max_tokens is None:
+            raise ValueError(f"request {request_id!r} has no max_tokens")
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.fork_of = fork_of
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | str | None = None
+        self.stop_reason: int | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens the prefix cache held at first scheduling
         self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
-        self.finished_time: float | None = None
+        self.num_synced_tokens = 0  # token_ids[:n] are known to the runner
+        self.synced_block_ids: list[int] | None = None  # None: the runner does not know it
 
-    # -- progress -------------------------------------------------------------------------
+    @classmethod
+    def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
+        return cls(
+            request.request_id, request.prompt_token_ids, request.sampling_params,
+            eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time, fork_of=request.fork_of,
+        )
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
@@ -77,11 +92,5 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
-
-
-# The seed's name for a request's state.
-InferenceSession = Request
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, {self.status.value}, {self.num_computed_tokens}/{self.num_tokens})"

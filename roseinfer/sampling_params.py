@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from roseinfer.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_N = 16
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each `RequestOutput` of a request holds (vLLM's names)."""
+
+    CUMULATIVE = 0  # every output so far, each step
+    DELTA = 1  # only what is new since the last output (streaming)
+    FINAL_ONLY = 2  # one output, when the request has finished
 
 
 @dataclass
@@ -35,6 +44,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Derived in __post_init__: the stop strings as a list.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -44,6 +54,7 @@ class SamplingParams:
         else:
             self.stop_strings = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.output_kind = RequestOutputKind(self.output_kind)
         self._validate()
 
     def _validate(self) -> None:
@@ -81,8 +92,10 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
+        ):
+            raise bad("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

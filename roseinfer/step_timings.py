@@ -17,9 +17,10 @@ class StepTimings:
     prepare: float = 0.0  # building the flattened batch's tensors
     forward: float = 0.0  # the model, logits included
     sample: float = 0.0  # sampling and copying the tokens out
-    update: float = 0.0  # appending tokens, stop checks, detokenizing, output deltas
+    update: float = 0.0  # the scheduler's update: appending tokens, stop checks, freeing
+    output: float = 0.0  # the front end's output processing: detokenizing, stop strings, outputs
 
-    PHASES = ("schedule", "prepare", "forward", "sample", "update")
+    PHASES = ("schedule", "prepare", "forward", "sample", "update", "output")
 
     @property
     def total(self) -> float:

@@ -87,28 +87,31 @@ def tiny_hf_model(kind: str, path: Path, seed: int = 0) -> torch.nn.Module:
 
 @torch.no_grad()
 def compare_logits_step_by_step(engine, reference, prompts: list[list[int]], decode_steps: int) -> float:
-    """Drive the engine's scheduler and runner by hand; after each step compare the logits of
-    every sampled row with transformers' logits for the same full sequence. Appends the
-    reference's greedy token so both continue identically. Returns the max abs difference."""
+    """Drive the engine core's scheduler and model runner by hand; after each step compare the
+    logits of every sampled row with transformers' logits for the same full sequence. Hands the
+    scheduler the reference's greedy token so both continue identically. Returns the max abs
+    difference."""
+    from roseinfer.core.messages import ModelRunnerOutput
     from roseinfer.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
-    for prompt in prompts:
-        engine.add_request(None, params, prompt_token_ids=prompt)
+    request_ids = [engine.add_request(None, params, prompt_token_ids=prompt) for prompt in prompts]
+    scheduler = engine.scheduler
     worst, sampled_rows = 0.0, 0
     target = len(prompts) * (decode_steps + 1)
     while sampled_rows < target:
-        step = engine.scheduler.schedule()
+        step = scheduler.schedule()
         assert not step.empty, "the scheduler stalled"
-        logits, requests = engine.runner.compute_logits_for(step)
-        engine.scheduler.update_after_step(step)
-        for row, request in enumerate(requests):
-            expected = reference(torch.tensor([request.token_ids])).logits[0, -1]
+        logits, req_ids = engine.runner.compute_logits(step)
+        tokens = []
+        for row, req_id in enumerate(req_ids):
+            expected = reference(torch.tensor([scheduler.requests[req_id].token_ids])).logits[0, -1]
             worst = max(worst, (logits[row] - expected).abs().max().item())
-            request.append_token(int(expected.argmax()))
+            tokens.append([int(expected.argmax())])
             sampled_rows += 1
-    for request in list(engine.scheduler.running):
-        engine.abort_request(request.group_id)
+        scheduler.update_from_output(step, ModelRunnerOutput(req_ids, tokens))
+    for request_id in request_ids:
+        engine.abort_request(request_id)
     return worst
 
 

@@ -1,12 +1,13 @@
 """The scheduler on its own: token budget, chunked prefill, seats, preemption of the newest.
 
-No model runs here: after each step the test appends a token to every caught-up request, as the
-engine would with a sampled token.
+No model runs here: after each step the test hands the scheduler a token for every caught-up
+request, as the model runner would with a sampled token.
 """
 
 import pytest
 
 from roseinfer.core.kv_cache_manager import KVCacheManager
+from roseinfer.core.messages import ModelRunnerOutput
 from roseinfer.core.scheduler import Scheduler
 from roseinfer.request import Request, RequestStatus
 from roseinfer.sampling_params import SamplingParams
@@ -17,10 +18,12 @@ def make_request(request_id: int, prompt_len: int, max_tokens: int = 100) -> Req
 
 
 def run_step(scheduler: Scheduler) -> dict[int, int]:
+    """One step with a stand-in runner: every request its step catches up samples token 7."""
     out = scheduler.schedule()
-    for request in scheduler.update_after_step(out):
-        request.append_token(7)
-    return {r.request_id: n for r, n in zip(out.requests, out.num_new_tokens, strict=True)}
+    requests = [scheduler.requests[req_id] for req_id in out.num_scheduled_tokens]
+    sampled = [r.request_id for r in requests if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens]
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled, [[7]] * len(sampled)))
+    return dict(out.num_scheduled_tokens)
 
 
 def test_long_prompt_is_prefilled_in_chunks_that_share_steps_with_decodes():
@@ -42,7 +45,7 @@ def test_max_num_seqs_limits_the_running_batch():
         scheduler.add_request(make_request(i, 4))
     assert set(run_step(scheduler)) == {0, 1}
     assert scheduler.num_waiting == 1
-    scheduler.finish_request(scheduler.running[0], RequestStatus.FINISHED_STOPPED)
+    scheduler.finish_requests([scheduler.running[0].request_id], RequestStatus.FINISHED_STOPPED)
     assert set(run_step(scheduler)) == {1, 2}
 
 
@@ -59,7 +62,7 @@ def test_newest_request_is_preempted_and_recomputed(prefix_caching):
     assert new.num_computed_tokens == 0 and new.num_output_tokens == 1  # its sample is kept
     assert scheduler.stats.num_preemptions == 1
     assert kv.block_table(1) == []
-    scheduler.finish_request(old, RequestStatus.FINISHED_STOPPED)
+    scheduler.finish_requests([old.request_id], RequestStatus.FINISHED_STOPPED)
     if prefix_caching:  # its first block is still cached: only the token after it is computed
         assert run_step(scheduler) == {1: 1}
     else:  # prompt + the token it had: recomputed in one go

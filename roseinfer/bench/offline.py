@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from roseinfer.bench.prompts import chat_prompt_ids, user_chats
-from roseinfer.cli import add_engine_args, engine_args
+from roseinfer.config import add_engine_args, engine_args_from_cli
 from roseinfer.step_timings import StepTimings
 
 
@@ -40,15 +40,15 @@ def _measure_roseinfer(llm, args: argparse.Namespace, prompts: list[list[int]]) 
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(max_tokens=4), use_tqdm=False)
-    llm.engine.kv_cache.reset_prefix_cache()  # the warm-up must not prefill the workload's prompts
+    llm.reset_prefix_cache()  # the warm-up must not prefill the workload's prompts
 
     def run(name: str, batch: list[list[int]]) -> Measurement:
-        before = llm.engine.timings.snapshot()
+        before = llm.llm_engine.timings.snapshot()
         started = time.perf_counter()
         outputs = llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
         elapsed = time.perf_counter() - started
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        return Measurement(name, len(batch), tokens, elapsed, llm.engine.timings.since(before))
+        return Measurement(name, len(batch), tokens, elapsed, llm.llm_engine.timings.since(before))
 
     results = [run("roseinfer", prompts)] if args.batched else []
     if args.single_stream:
@@ -109,10 +109,9 @@ def run_offline(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     # roseinfer's tokenizer and chat template make the prompt ids; both systems get the same ids.
     from roseinfer import LLM
-    from roseinfer.engine import InferenceEngine
 
-    llm = LLM(**engine_args(args))
-    engine: InferenceEngine = llm.engine
+    llm = LLM(**engine_args_from_cli(args))
+    engine = llm.llm_engine
     tokenizer = engine.tokenizer
     prompts = workload_token_ids(tokenizer, args.num_prompts, args.prompts_file)
     ours = _measure_roseinfer(llm, args, prompts)
@@ -122,7 +121,7 @@ def run_offline(args: argparse.Namespace) -> int:
         theirs = _transformers(args, prompts, pad)
     _print_table(args, ours + theirs)
     if args.json:
-        write_json(args.json, ours + theirs, {"model": engine.model_name, "device": str(engine.device)})
+        write_json(args.json, ours + theirs, {"model": engine.model_name, "device": str(engine.config.torch_device)})
     return 0
 
 

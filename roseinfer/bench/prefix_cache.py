@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 
 from roseinfer.bench.prompts import chat_prompt_ids, model_tokenizer, user_chats
-from roseinfer.cli import add_engine_args, engine_args
+from roseinfer.config import add_engine_args, engine_args_from_cli
 
 _POLICY = (
     "Section {n}. The assistant answers questions for the staff of a regional hospital. It "
@@ -42,7 +42,7 @@ def _run(settings: dict, prompts: list[list[int]], max_tokens: int) -> tuple[lis
 
 
 def run_prefix_bench(args: argparse.Namespace) -> int:
-    settings = engine_args(args)
+    settings = engine_args_from_cli(args)
     tokenizer = model_tokenizer(settings)
     system = system_prompt(tokenizer, args.system_tokens)
     prompts = chat_prompt_ids(tokenizer, [

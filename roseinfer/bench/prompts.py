@@ -39,8 +39,8 @@ def user_chats(count: int) -> list[list[dict[str, str]]]:
 
 
 def model_tokenizer(settings: dict):
-    """The tokenizer (with chat template) of the model that `settings` (engine arguments) name.
-    Loaded through the smallest engine, which is freed at once."""
-    from roseinfer.engine import InferenceEngine
+    """The tokenizer (with chat template) of the model that `settings` (engine arguments) name;
+    no weights are loaded."""
+    from roseinfer.models.loader import ModelSource
 
-    return InferenceEngine(**(settings | {"num_kv_blocks": 16, "max_model_len": 256})).tokenizer
+    return ModelSource.resolve(settings.get("model"), settings.get("tokenizer")).tokenizer()

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from roseinfer.bench.prompts import chat_prompt_ids, model_tokenizer, user_chats
-from roseinfer.cli import add_engine_args, engine_args
+from roseinfer.config import add_engine_args, engine_args_from_cli
 from roseinfer.layers.linear import QUANTIZATION_METHODS
 
 
@@ -46,7 +46,7 @@ def compare(reference: list[list[int]], candidate: list[list[int]]) -> dict[str,
 
 
 def run_quality(args: argparse.Namespace) -> int:
-    base = engine_args(args)
+    base = engine_args_from_cli(args)
     prompts = chat_prompt_ids(model_tokenizer(base), user_chats(args.num_prompts))
     reference, _ = _greedy(base | {"dtype": "float32", "quantization": "none"}, prompts, args.max_tokens)
     rows = []

@@ -1,76 +1,66 @@
 """Continuous batching in the style of vLLM v1: one token budget per step, no separate prefill and
-decode phases. Each request gets `num_tokens - num_computed_tokens` new tokens (capped by what is
-left of the budget, so long prompts are prefilled in chunks that share steps with decodes).
+decode phases, and the one place where a request's state changes.
 
-It knows requests and blocks, never tensors: it tells the model runner which requests run this step
-and how many tokens each, and the KV cache manager where their blocks are.
+`schedule()` gives each request `num_tokens - num_computed_tokens` new tokens (capped by what is left
+of the budget, so long prompts are prefilled in chunks that share steps with decodes) and returns a
+`SchedulerOutput` that tells the model runner only what changed. `update_from_output()` takes the
+runner's samples: it advances the computed tokens, appends the sampled tokens, decides every stop
+the engine core can see (EOS, stop token ids, max tokens) and frees finished requests.
+
+It knows requests and blocks, never tensors.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
-from roseinfer.core.kv_cache_manager import BlockCopy, KVCacheManager
+from roseinfer.core.kv_cache_manager import KVCacheManager
+from roseinfer.core.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from roseinfer.outputs import TokenLogprob
 from roseinfer.request import Request, RequestStatus
 
 
-@dataclass
-class SchedulerOutput:
-    """The step's batch: requests in order, how many new tokens each, and block copies to do first."""
-
-    requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    blocks_to_copy: list[BlockCopy] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @property
-    def empty(self) -> bool:
-        return not self.requests
-
-
-@dataclass
-class SchedulerStats:
-    num_steps: int = 0
-    num_preemptions: int = 0
-    max_batch_requests: int = 0  # the most requests run together in one step
-    max_batch_tokens: int = 0
-    num_scheduled_tokens: int = 0  # tokens run through the model, prompts and outputs
-
-
 class Scheduler:
-    def __init__(
-        self,
-        kv_cache: KVCacheManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-    ) -> None:
+    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # n > 1: the other sequences of a group wait for the first one's prompt, then share its
         # blocks (parent request id -> siblings) instead of computing the same prompt again.
-        self._awaiting_fork: dict[int, list[Request]] = {}
+        self._awaiting_fork: dict[str, list[Request]] = {}
+        self._finished_req_ids: list[str] = []  # the runner knew them; told at the next schedule
+        self._preempted_this_step = False
         self.stats = SchedulerStats()
 
     # -- queues ---------------------------------------------------------------------------
-    def add_request(self, request: Request, fork_from: Request | None = None) -> None:
-        """Queue a request; with `fork_from` (a sequence of the same prompt added before it), it
-        takes a copy of that request's blocks once its prompt is computed."""
+    def add_request(self, request: Request) -> None:
+        """Queue a request. With `request.fork_of` (a sequence of the same prompt added before,
+        still waiting), it takes a copy of that request's blocks once its prompt is computed."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
-        if fork_from is not None and fork_from.status == RequestStatus.WAITING and not fork_from.num_computed_tokens:
-            self._awaiting_fork.setdefault(fork_from.request_id, []).append(request)
+        parent = self.requests.get(request.fork_of) if request.fork_of is not None else None
+        if parent is not None and parent.status == RequestStatus.WAITING and not parent.num_computed_tokens:
+            self._awaiting_fork.setdefault(parent.request_id, []).append(request)
         else:
             self.waiting.append(request)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._awaiting_fork)
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
 
     @property
     def num_waiting(self) -> int:
@@ -80,14 +70,27 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def finish_request(self, request: Request, status: RequestStatus) -> None:
-        """End a request (stopped, length, aborted, error): leave the queues, free its blocks."""
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside a step (aborted, or failed with the step that ran them):
+        leave the queues, free their blocks. Unknown or finished ids are ignored."""
+        ended = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, status)
+                ended.append(request)
+        return ended
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
             self._leave_waiting(request)
         request.status = status
         self.kv_cache.free(request.request_id)
+        del self.requests[request.request_id]
+        if request.synced_block_ids is not None:
+            self._finished_req_ids.append(request.request_id)
         # Siblings still waiting for this request's prompt compute it themselves.
         self.waiting.extend(self._awaiting_fork.pop(request.request_id, []))
 
@@ -104,29 +107,24 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        scheduled: list[tuple[Request, int]] = []
         budget = self.max_num_batched_tokens
+        self._preempted_this_step = False
 
         # Running requests first, oldest first; preempt from the newest end when blocks run out.
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, out):
+            if not self._allocate_or_preempt(request, num_new):
                 break  # the request itself was preempted: nothing after it is left running
-            out.requests.append(request)
-            out.num_new_tokens.append(num_new)
+            scheduled.append((request, num_new))
             budget -= num_new
             index += 1
 
         # Then waiting requests, in arrival order, while seats, budget and blocks allow.
         # After a preemption nothing new is admitted: the pool is already too tight.
-        while (
-            not out.preempted
-            and self.waiting
-            and len(self.running) < self.max_num_seqs
-            and budget > 0
-        ):
+        while not self._preempted_this_step and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             request = self.waiting[0]
             cached = self.kv_cache.find_cached_prefix(request.token_ids)
             num_cached = len(cached) * self.kv_cache.block_size
@@ -140,25 +138,16 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.requests.append(request)
-            out.num_new_tokens.append(num_new)
+            scheduled.append((request, num_new))
             budget -= num_new
 
-        out.blocks_to_copy = self.kv_cache.take_pending_copies()
-        if out.requests:
-            self.stats.num_steps += 1
-            self.stats.max_batch_requests = max(self.stats.max_batch_requests, len(out.requests))
-            self.stats.max_batch_tokens = max(self.stats.max_batch_tokens, out.total_tokens)
-            self.stats.num_scheduled_tokens += out.total_tokens
-        return out
+        return self._scheduler_output(scheduled)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        while not self.kv_cache.allocate_slots(
-            request.request_id, request.num_computed_tokens, num_new
-        ):
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
+        while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
             victim = self.running.pop()  # the newest running request
             self._preempt(victim)
-            out.preempted.append(victim)
+            self._preempted_this_step = True
             if victim is request:
                 return False
         return True
@@ -172,20 +161,105 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update_after_step(self, out: SchedulerOutput) -> list[Request]:
-        """Record the computed tokens, cache the blocks they filled and start the siblings of
-        requests whose prompt is now computed; returns the requests that get a sample."""
-        caught_up = []
-        for request, num_new in zip(out.requests, out.num_new_tokens, strict=True):
+    def stuck_request(self) -> Request | None:
+        """A waiting request that can never run: nothing is running to free blocks for it."""
+        if self.waiting and not self.running:
+            return self.waiting[0]
+        return None
+
+    def _scheduler_output(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = []
+        now = time.monotonic()
+        for request, num_new in scheduled:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            table = self.kv_cache.block_table(request.request_id)
+            if request.synced_block_ids is None:
+                out.scheduled_new_reqs.append(NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=request.output_token_ids,
+                    sampling_params=request.sampling_params,
+                    eos_token_ids=sorted(request.eos_token_ids),
+                    block_ids=list(table),
+                    num_computed_tokens=request.num_computed_tokens,
+                ))
+            else:
+                out.scheduled_cached_reqs.append(CachedRequestData(
+                    req_id=request.request_id,
+                    new_token_ids=request.token_ids[request.num_synced_tokens :],
+                    block_ids=list(table) if table != request.synced_block_ids else None,
+                    num_computed_tokens=request.num_computed_tokens,
+                ))
+            request.num_synced_tokens = request.num_tokens
+            request.synced_block_ids = list(table)
+            out.num_scheduled_tokens[request.request_id] = num_new
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.blocks_to_copy = [(c.src, c.dst) for c in self.kv_cache.take_pending_copies()]
+        if scheduled:
+            stats = self.stats
+            stats.num_steps += 1
+            stats.max_batch_requests = max(stats.max_batch_requests, len(scheduled))
+            stats.num_scheduled_tokens += out.total_num_scheduled_tokens
+        return out
+
+    # -- after the step ---------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Record the computed tokens, append the samples, stop and free finished requests."""
+        sampled = {req_id: row for row, req_id in enumerate(runner_output.req_ids)}
+        outputs: list[EngineCoreOutput] = []
+        stuck = self.stuck_request() if scheduler_output.empty else None
+        if stuck is not None:  # it ends with an error instead of stalling the engine
+            self._finish(stuck, RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineCoreOutput(
+                stuck.request_id, [], finish_reason="error",
+                error=f"the request needs more KV cache blocks than the {self.kv_cache.num_blocks} that exist",
+            ))
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None:  # aborted while the step ran
+                continue
             request.num_computed_tokens += num_new
-            self.kv_cache.cache_computed_blocks(
-                request.request_id, request.token_ids, request.num_computed_tokens
-            )
-            if request.num_computed_tokens == request.num_tokens:
-                caught_up.append(request)
-            if request.request_id in self._awaiting_fork and request.num_computed_tokens >= request.num_prompt_tokens:
+            self.kv_cache.cache_computed_blocks(req_id, request.token_ids, request.num_computed_tokens)
+            if req_id in self._awaiting_fork and request.num_computed_tokens >= request.num_prompt_tokens:
                 self._fork_siblings(request)
-        return caught_up
+            row = sampled.get(req_id)
+            if row is not None:
+                logprobs = runner_output.logprobs[row] if runner_output.logprobs is not None else None
+                outputs.append(self._append_samples(request, runner_output.sampled_token_ids[row], logprobs))
+        return EngineCoreOutputs(outputs, self.make_stats())
+
+    def _append_samples(
+        self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob] | None
+    ) -> EngineCoreOutput:
+        params = request.sampling_params
+        appended = 0
+        status = None
+        for token_id in token_ids:
+            request.token_ids.append(token_id)
+            appended += 1
+            if token_id in request.eos_token_ids and not params.ignore_eos:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token_id in params.stop_token_ids:
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+            elif request.num_output_tokens >= request.max_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                break
+        output = EngineCoreOutput(
+            request.request_id,
+            token_ids[:appended],
+            logprobs[:appended] if logprobs is not None else None,
+            num_cached_tokens=request.num_cached_tokens,
+            first_scheduled_time=request.first_scheduled_time,
+        )
+        if status is not None:
+            self._finish(request, status)
+            output.finish_reason, output.stop_reason = status.value, request.stop_reason
+        return output
 
     def _fork_siblings(self, parent: Request) -> None:
         """Each sibling shares the parent's blocks and recomputes only the last prompt token (for
@@ -199,8 +273,11 @@ class Scheduler:
             sibling.status = RequestStatus.RUNNING
             self.running.append(sibling)
 
-    def stuck_request(self) -> Request | None:
-        """A waiting request that can never run: nothing is running to free blocks for it."""
-        if self.waiting and not self.running:
-            return self.waiting[0]
-        return None
+    def make_stats(self) -> SchedulerStats:
+        stats = self.stats
+        prefix = self.kv_cache.prefix_stats
+        stats.num_running = len(self.running)
+        stats.num_waiting = self.num_waiting
+        stats.kv_cache_usage = self.kv_cache.usage
+        stats.prefix_cache_queries, stats.prefix_cache_hits = prefix.queries, prefix.hits
+        return SchedulerStats(**vars(stats))

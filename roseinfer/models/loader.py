@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from roseinfer.config import ModelConfig
+from roseinfer.config import EngineConfig, ModelConfig
 from roseinfer.errors import ModelLoadError
 from roseinfer.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from roseinfer.models.gguf_file import GGUFFile
@@ -28,6 +28,82 @@ from roseinfer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
+
+
+@dataclass
+class ModelSource:
+    """Where a model is on disk and what kind of file it is; reads its parts on demand, so the
+    front end can take the tokenizer and configuration without loading any weight."""
+
+    kind: str  # "hf" | "gguf" | "checkpoint"
+    path: Path
+    tokenizer_dir: Path | None
+    name: str  # what /v1/models shows by default
+
+    @classmethod
+    def resolve(cls, model: str | None, tokenizer: str | None = None) -> ModelSource:
+        if model is None:
+            path, name = default_model_path(), DEFAULT_MODEL_NAME
+        else:
+            path = Path(model).expanduser()
+            name = path.stem if path.is_file() else path.name
+            if not path.exists():
+                raise ModelLoadError(
+                    f"model {model!r} not found: pass a GGUF file, a local Hugging Face model directory "
+                    "(config.json + *.safetensors + tokenizer.json), or omit --model for the default "
+                    f"model; roseinfer never downloads from a model hub"
+                )
+        tokenizer_dir = Path(tokenizer).expanduser() if tokenizer else None
+        if tokenizer_dir is not None and not tokenizer_dir.is_dir():
+            raise ModelLoadError(f"tokenizer directory {tokenizer!r} not found")
+        if path.is_dir():
+            if (path / "config.json").is_file():
+                return cls("hf", path, tokenizer_dir, name)
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) != 1:
+                raise ModelLoadError(
+                    f"{path} is neither a Hugging Face model directory (no config.json) "
+                    "nor a directory holding exactly one .gguf file"
+                )
+            path = ggufs[0]
+        if _is_gguf(path):
+            return cls("gguf", path, tokenizer_dir, name)
+        if path.suffix.lower() in _CHECKPOINT_SUFFIXES:
+            if tokenizer_dir is None:
+                raise ModelLoadError(
+                    f"{path} is a bare checkpoint: pass its tokenizer directory with "
+                    "--tokenizer-name/--tokenizer (a directory with tokenizer.json or vocab.json + merges.txt)"
+                )
+            return cls("checkpoint", path, tokenizer_dir, name)
+        raise ModelLoadError(
+            f"{path}: unrecognised model file (expected .gguf, a Hugging Face directory, or a "
+            f"{'/'.join(_CHECKPOINT_SUFFIXES)} checkpoint)"
+        )
+
+    def tokenizer(self) -> Tokenizer:
+        if self.tokenizer_dir is not None:
+            return Tokenizer.from_pretrained_dir(self.tokenizer_dir)
+        if self.kind == "hf":
+            return Tokenizer.from_pretrained_dir(self.path)
+        return Tokenizer.from_gguf_metadata(GGUFFile(self.path).metadata)
+
+    def model_config(self) -> ModelConfig:
+        if self.kind == "hf":
+            return model_config_from_hf(self.path)
+        if self.kind == "gguf":
+            return model_config_from_gguf(GGUFFile(self.path))
+        config, _ = load_seed_checkpoint(self.path)
+        eos = self.tokenizer().eos_token_id
+        config.eos_token_ids = [eos] if eos is not None else []
+        return config
+
+    def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.kind == "hf":
+            return _safetensors_weights(self.path)
+        if self.kind == "gguf":
+            return gguf_weights(GGUFFile(self.path), config)
+        _, state_dict = load_seed_checkpoint(self.path)
+        return seed_weights(state_dict)
 
 
 @dataclass
@@ -60,6 +136,14 @@ def _safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
+def load_model_weights(config: EngineConfig, model_config: ModelConfig) -> nn.Module:
+    """The model of `config.model` with its weights, on the configured device, dtype and kernels."""
+    source = ModelSource.resolve(config.model, config.tokenizer)
+    return build_model(
+        model_config, source.weights(model_config), config.torch_device, config.torch_dtype, config.quantization
+    )
+
+
 def load_model(
     model: str | None,
     tokenizer: str | None,
@@ -67,56 +151,8 @@ def load_model(
     dtype: torch.dtype,
     quantization: str = "none",
 ) -> LoadedModel:
-    if model is None:
-        path, name = default_model_path(), DEFAULT_MODEL_NAME
-    else:
-        path = Path(model).expanduser()
-        name = path.stem if path.is_file() else path.name
-        if not path.exists():
-            raise ModelLoadError(
-                f"model {model!r} not found: pass a GGUF file, a local Hugging Face model directory "
-                "(config.json + *.safetensors + tokenizer.json), or omit --model for the default "
-                f"model; roseinfer never downloads from a model hub"
-            )
-    tokenizer_dir = Path(tokenizer).expanduser() if tokenizer else None
-    if tokenizer_dir is not None and not tokenizer_dir.is_dir():
-        raise ModelLoadError(f"tokenizer directory {tokenizer!r} not found")
-
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            ggufs = sorted(path.glob("*.gguf"))
-            if len(ggufs) != 1:
-                raise ModelLoadError(
-                    f"{path} is neither a Hugging Face model directory (no config.json) "
-                    "nor a directory holding exactly one .gguf file"
-                )
-            path = ggufs[0]
-        else:
-            config = model_config_from_hf(path)
-            tok = Tokenizer.from_pretrained_dir(tokenizer_dir or path)
-            weights = _safetensors_weights(path)
-            return LoadedModel(build_model(config, weights, device, dtype, quantization), config, tok, name)
-
-    if _is_gguf(path):
-        gguf = GGUFFile(path)
-        config = model_config_from_gguf(gguf)
-        tok = Tokenizer.from_pretrained_dir(tokenizer_dir) if tokenizer_dir else Tokenizer.from_gguf_metadata(gguf.metadata)
-        built = build_model(config, gguf_weights(gguf, config), device, dtype, quantization)
-        return LoadedModel(built, config, tok, name)
-
-    if path.suffix.lower() in _CHECKPOINT_SUFFIXES:
-        if tokenizer_dir is None:
-            raise ModelLoadError(
-                f"{path} is a bare checkpoint: pass its tokenizer directory with "
-                "--tokenizer-name/--tokenizer (a directory with tokenizer.json or vocab.json + merges.txt)"
-            )
-        config, state_dict = load_seed_checkpoint(path)
-        tok = Tokenizer.from_pretrained_dir(tokenizer_dir)
-        config.eos_token_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        built = build_model(config, seed_weights(state_dict), device, dtype, quantization)
-        return LoadedModel(built, config, tok, name)
-
-    raise ModelLoadError(
-        f"{path}: unrecognised model file (expected .gguf, a Hugging Face directory, or a "
-        f"{'/'.join(_CHECKPOINT_SUFFIXES)} checkpoint)"
-    )
+    """Model, configuration and tokenizer in one call (for tools that run the model directly)."""
+    source = ModelSource.resolve(model, tokenizer)
+    config = source.model_config()
+    built = build_model(config, source.weights(config), device, dtype, quantization)
+    return LoadedModel(built, config, source.tokenizer(), source.name)

@@ -10,6 +10,9 @@ from collections.abc import Iterator
 
 logger = logging.getLogger("roseinfer.server")
 
+# Measured on a 2-core CPU machine (see README "How a request flows"): the engine core in a thread.
+DEFAULT_ENGINE_CORE = "thread"
+
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
@@ -23,6 +26,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stats-interval", type=float, default=10.0, help="seconds between throughput log lines")
     group.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before aborting them")
+    group.add_argument("--engine-core", choices=("thread", "process"), default=DEFAULT_ENGINE_CORE,
+                       help="run the engine core in a background thread of the server process, or in a "
+                            f"process of its own (ZeroMQ + msgpack) (default: {DEFAULT_ENGINE_CORE})")
 
 
 def _server_class():
@@ -47,23 +53,30 @@ def _server_class():
 def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from roseinfer.cli import engine_args
-    from roseinfer.engine import InferenceEngine
+    from roseinfer.config import EngineConfig
+    from roseinfer.engine.async_llm import AsyncLLM
+    from roseinfer.engine.stats import LoggingStatLogger
     from roseinfer.errors import RoseInferError
     from roseinfer.server.app import create_app
-    from roseinfer.server.manager import SchedulerManager
+    from roseinfer.server.metrics import PrometheusStatLogger
 
     if args.max_queue_len is not None and args.max_queue_len < 1:
         raise RoseInferError(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
-    settings = engine_args(args) | {"served_model_name": args.served_model_name}
-    # The engine is built in the engine thread, where all of its PyTorch work will run.
-    manager = SchedulerManager(lambda: InferenceEngine(**settings), args.max_queue_len, args.stats_interval)
-    app = create_app(manager, args.served_model_name, args.api_key)
+    config = EngineConfig.from_cli_args(args)
+    config.served_model_name = args.served_model_name
+    engine = AsyncLLM(config, engine_core=args.engine_core, max_queue_len=args.max_queue_len,
+                      stat_loggers=[LoggingStatLogger(args.stats_interval)])
+    metrics = PrometheusStatLogger(engine.model_name, lambda: engine.scheduler_stats, lambda: engine.num_waiting)
+    engine.stat_loggers.append(metrics)
+    app = create_app(engine, metrics, args.served_model_name, args.api_key)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
     server = _server_class()(config)
     logger.info("listening on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
-    server.run()  # returns after SIGINT/SIGTERM: stops accepting, drains, then the engine stops
+    try:
+        server.run()  # returns after SIGINT/SIGTERM: stops accepting, drains, then the engine stops
+    finally:
+        engine.shutdown()
     return 0

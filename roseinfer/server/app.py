@@ -19,9 +19,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from roseinfer.errors import InvalidRequestError
-from roseinfer.server.manager import QueueFullError, SchedulerManager
-from roseinfer.server.metrics import CONTENT_TYPE
+from roseinfer.engine.async_llm import AsyncLLM
+from roseinfer.errors import (
+    ContextLengthError,
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
+from roseinfer.server.metrics import CONTENT_TYPE, PrometheusStatLogger
 from roseinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,7 +36,7 @@ from roseinfer.server.protocol import (
     ModelCard,
     ModelList,
 )
-from roseinfer.server.serving import ContextLengthError, OpenAIServing
+from roseinfer.server.serving import OpenAIServing
 
 logger = logging.getLogger("roseinfer.server")
 
@@ -93,25 +98,25 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Respon
 
 
 def create_app(
-    manager: SchedulerManager,
+    engine: AsyncLLM,
+    metrics: PrometheusStatLogger,
     served_model_name: str | None = None,
     api_key: str | None = None,
 ) -> FastAPI:
-    """The app over a started SchedulerManager (which owns the engine and its thread)."""
-    engine = manager.engine
+    """The app over a started AsyncLLM (whose engine core runs beside the event loop); `metrics`
+    is the stat logger the engine feeds."""
     model_name = served_model_name or engine.model_name
-    serving = OpenAIServing(manager, model_name)
+    serving = OpenAIServing(engine, model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        manager.start()
         logger.info("serving %s; engine loop started", model_name)
         yield
-        manager.stop()
+        engine.shutdown()
         logger.info("engine loop stopped")
 
     app = FastAPI(title="roseinfer", lifespan=lifespan)
-    app.state.manager = manager
+    app.state.engine = engine
 
     def check_api_key(request: Request) -> None:
         if api_key is None:
@@ -145,8 +150,12 @@ def create_app(
     async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return error_response(400, str(exc), exc.param)
 
-    @app.exception_handler(QueueFullError)
-    async def _overloaded(_: Request, exc: QueueFullError) -> JSONResponse:
+    @app.exception_handler(EngineOverloadedError)
+    async def _overloaded(_: Request, exc: EngineOverloadedError) -> JSONResponse:
+        return error_response(503, str(exc))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc))
 
     @app.exception_handler(HTTPException)
@@ -161,7 +170,7 @@ def create_app(
     # -- routes ---------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
-        if not manager.alive:
+        if not engine.alive:
             return error_response(503, "the engine loop is not running")
         return JSONResponse({"status": "ok"})
 
@@ -172,7 +181,7 @@ def create_app(
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        submitted = serving.submit(*serving.prepare_completion(body))
+        submitted = await serving.submit("/v1/completions", "cmpl", serving.completion_requests(body), body.n)
         if body.stream:
             return StreamingResponse(serving.completion_stream(body, submitted), media_type="text/event-stream")
         return await _unless_disconnected(request, serving.completion(body, submitted))
@@ -180,7 +189,7 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        submitted = serving.submit(*serving.prepare_chat(body))
+        submitted = await serving.submit("/v1/chat/completions", "chatcmpl", serving.chat_requests(body), body.n)
         if body.stream:
             return StreamingResponse(serving.chat_stream(body, submitted), media_type="text/event-stream")
         return await _unless_disconnected(request, serving.chat(body, submitted))
@@ -188,13 +197,13 @@ def create_app(
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
         check_api_key(request)
-        submitted = serving.submit(*serving.prepare_generate(body))
+        submitted = await serving.submit("/generate", "gen", serving.generate_requests(body), 1)
         if body.stream:
             return StreamingResponse(serving.generate_stream(submitted), media_type="text/plain; charset=utf-8")
         return await _unless_disconnected(request, serving.generate(submitted))
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(manager.metrics.render(), media_type=CONTENT_TYPE)
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app

@@ -1,8 +1,8 @@
 """Prometheus metrics, named like vLLM's (`vllm:` becomes `roseinfer:`), on a registry of their own.
 
-Gauges, and the counters the engine keeps itself (preemptions, prefix-cache lookups), are read
-from the engine at scrape time; the other counters and the histograms are fed by the manager as
-requests progress. prometheus-client is thread-safe, so the engine thread may update them.
+Gauges, and the counters the engine core keeps itself (preemptions, prefix-cache lookups), are
+read at scrape time from the engine's latest stats snapshot; the other counters and the histograms
+are fed by `record` with each batch of outputs (AsyncLLM calls it, as a stat logger).
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from roseinfer.core.messages import SchedulerStats
+from roseinfer.engine.stats import IterationStats
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -23,26 +26,31 @@ _TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.0
 
 
 class _EngineTotals(Collector):
-    """Counters whose running totals the engine keeps; exposed as `<name>_total` when scraped."""
+    """Counters whose running totals the engine core keeps; exposed as `<name>_total`."""
 
-    def __init__(self, model_name: str, totals: list[tuple[str, str, Callable[[], float]]]) -> None:
+    def __init__(self, model_name: str, snapshot: Callable[[], SchedulerStats]) -> None:
         self._model = model_name
-        self._totals = totals
+        self._snapshot = snapshot
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        for name, doc, read in self._totals:
+        stats = self._snapshot()
+        for name, doc, value in (
+            ("roseinfer:num_preemptions", "Requests preempted for lack of KV blocks.", stats.num_preemptions),
+            ("roseinfer:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             stats.prefix_cache_queries),
+            ("roseinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+        ):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self._model], read())
+            family.add_metric([self._model], value)
             yield family
 
 
-class ServerMetrics:
+class PrometheusStatLogger:
     def __init__(
-        self,
-        model_name: str,
-        gauges: dict[str, Callable[[], float]],
-        totals: dict[str, Callable[[], float]],
+        self, model_name: str, snapshot: Callable[[], SchedulerStats], num_waiting: Callable[[], int]
     ) -> None:
+        """`snapshot` gives the engine core's latest SchedulerStats; `num_waiting` the requests
+        accepted and not running yet (which the front end knows best)."""
         self.registry = CollectorRegistry()
         labels = {"labelnames": ["model_name"], "registry": self.registry}
         self._model = model_name
@@ -50,18 +58,13 @@ class ServerMetrics:
         def gauge(name: str, doc: str, read: Callable[[], float]) -> None:
             Gauge(name, doc, **labels).labels(model_name).set_function(read)
 
-        gauge("roseinfer:num_requests_running", "Requests in the running batch.", gauges["running"])
-        gauge("roseinfer:num_requests_waiting", "Requests waiting to be scheduled.", gauges["waiting"])
+        gauge("roseinfer:num_requests_running", "Requests in the running batch.", lambda: snapshot().num_running)
+        gauge("roseinfer:num_requests_waiting", "Requests waiting to be scheduled.", num_waiting)
         gauge("roseinfer:kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0..1).",
-              gauges["kv_usage"])
+              lambda: snapshot().kv_cache_usage)
         gauge("roseinfer:max_num_batched_requests", "The most requests one engine step has run together.",
-              gauges["max_batch"])
-        self.registry.register(_EngineTotals(model_name, [
-            ("roseinfer:num_preemptions", "Requests preempted for lack of KV blocks.", totals["preemptions"]),
-            ("roseinfer:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             totals["prefix_queries"]),
-            ("roseinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache.", totals["prefix_hits"]),
-        ]))
+              lambda: snapshot().max_batch_requests)
+        self.registry.register(_EngineTotals(model_name, snapshot))
 
         self.prompt_tokens = Counter("roseinfer:prompt_tokens", "Prompt tokens processed.", **labels).labels(model_name)
         self.generation_tokens = Counter(
@@ -88,8 +91,21 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS, **labels,
         ).labels(model_name)
 
-    def finished(self, reason: str) -> None:
-        self.request_success.labels(self._model, reason).inc()
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None:
+        if iteration_stats.num_prompt_tokens:
+            self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        if iteration_stats.num_generation_tokens:
+            self.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        for seconds in iteration_stats.time_to_first_tokens:
+            self.time_to_first_token.observe(seconds)
+        for seconds in iteration_stats.inter_token_latencies:
+            self.inter_token_latency.observe(seconds)
+        for finished in iteration_stats.finished_requests:
+            for reason in finished.finish_reasons:
+                self.request_success.labels(self._model, reason).inc()
+            self.e2e_latency.observe(finished.e2e_latency)
+            if finished.queue_time is not None:
+                self.queue_time.observe(finished.queue_time)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

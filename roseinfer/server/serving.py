@@ -1,20 +1,23 @@
-"""From OpenAI requests to engine requests and back: sampling parameters, context checks, and the
-streamed or whole responses of /v1/completions, /v1/chat/completions and the seed's /generate.
-It talks to the engine only through the SchedulerManager."""
+"""From OpenAI request bodies to engine requests, and from `RequestOutput`s to OpenAI responses:
+the streamed and whole responses of /v1/completions, /v1/chat/completions and the seed's /generate.
+
+It talks to the engine only through `AsyncLLM`; every check of the prompt and the sampling
+parameters happens in the engine's input processor, once.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from roseinfer.engine.async_llm import AsyncLLM, NewRequest, RequestOutputStream
 from roseinfer.errors import InvalidRequestError
-from roseinfer.outputs import OutputDelta, RequestOutput, TokenLogprob
-from roseinfer.sampling_params import SamplingParams
-from roseinfer.server.manager import SchedulerManager
+from roseinfer.input_processor import ChatPrompt
+from roseinfer.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from roseinfer.sampling_params import RequestOutputKind, SamplingParams
 from roseinfer.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -40,11 +43,11 @@ from roseinfer.server.protocol import (
 logger = logging.getLogger("roseinfer.server")
 
 
-class ContextLengthError(InvalidRequestError):
-    """The prompt plus the tokens asked for do not fit in the model's context."""
+class GenerationError(RuntimeError):
+    """A request ended with finish_reason "error" (the engine step that ran it failed)."""
 
 
-def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     return SamplingParams(
         n=body.n,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -59,125 +62,102 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None)
         stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos,
         max_tokens=max_tokens,
-        min_tokens=min(body.min_tokens, max_tokens),
+        min_tokens=body.min_tokens if max_tokens is None else min(body.min_tokens, max_tokens),
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
     )
 
 
 @dataclass
 class Submitted:
-    """The engine requests one HTTP request became (one per prompt) and what is known of them."""
+    """The engine requests one HTTP request became (one per prompt) and their shared stream."""
 
-    ids: list[int]
-    prompt_lengths: list[int]
+    route: str
+    response_id: str
+    request_ids: list[str]
+    stream: RequestOutputStream
     n: int
     started: float = field(default_factory=time.monotonic)
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+    completion_tokens: int = 0
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    finish_reasons: list[str] = field(default_factory=list)
 
-    def choice_index(self, position: int, delta: OutputDelta) -> int:
-        return position * self.n + delta.index
+    def position(self, output: RequestOutput) -> int:
+        return self.request_ids.index(output.request_id)
+
+    def choice_index(self, output: RequestOutput, completion: CompletionOutput) -> int:
+        return self.position(output) * self.n + completion.index
+
+    def count(self, output: RequestOutput) -> None:
+        self.prompt_tokens[output.request_id] = len(output.prompt_token_ids)
+        if output.metrics is not None:
+            self.cached_tokens[output.request_id] = output.metrics.num_cached_tokens
+        for completion in output.outputs:
+            self.completion_tokens += len(completion.token_ids)
+            if completion.finished:
+                self.finish_reasons.append(completion.finish_reason or "")
+
+    def usage(self) -> Usage:
+        prompt = sum(self.prompt_tokens.values())
+        return Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
+                     total_tokens=prompt + self.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())))
+
+    def log(self) -> None:
+        logger.info(
+            "%s %s: %d prompt + %d completion tokens, finish %s, %.2fs",
+            self.route, self.response_id, sum(self.prompt_tokens.values()), self.completion_tokens,
+            ",".join(sorted(set(self.finish_reasons))) or "-", time.monotonic() - self.started,
+        )
 
 
 class OpenAIServing:
-    def __init__(self, manager: SchedulerManager, model_name: str) -> None:
-        self.manager = manager
-        self.engine = manager.engine
-        self.tokenizer = manager.engine.tokenizer
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
         self.model_name = model_name
 
-    # -- shared ---------------------------------------------------------------------------
-    def _fit(self, prompt_ids: list[int], requested: int | None, prompt_param: str) -> int:
-        """The completion limit for a prompt: the one asked for, which must fit in the context,
-        or all the room that is left."""
-        limit = self.engine.max_model_len
-        if len(prompt_ids) >= limit:
-            raise ContextLengthError(
-                f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                f"{len(prompt_ids)} tokens, which leaves no room for a completion.", prompt_param,
-            )
-        if requested is None:
-            return limit - len(prompt_ids)
-        if len(prompt_ids) + requested > limit:
-            raise ContextLengthError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(prompt_ids) + requested} tokens ({len(prompt_ids)} in the prompt, {requested} "
-                "for the completion). Please reduce the prompt or max_tokens.", "max_tokens",
-            )
-        return requested
+    async def submit(self, route: str, prefix: str, requests: list[NewRequest], n: int) -> Submitted:
+        """Queue the engine requests (raises InvalidRequestError, EngineOverloadedError, ...) before
+        any response starts."""
+        stream = await self.engine.add_requests(requests)
+        return Submitted(route, new_id(prefix), [r.request_id for r in requests], stream, n)
 
-    def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> Submitted:
-        """Queue the engine requests (503 if the queue is full); before any response starts."""
-        self.manager.check_capacity(len(prompts))
-        ids: list[int] = []
+    async def _outputs(self, submitted: Submitted) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come; leaving early (client gone) aborts the rest."""
         try:
-            for prompt_ids, p in zip(prompts, params, strict=True):
-                ids.append(self.manager.add(prompt_ids, p))
-        except Exception:
-            for request_id in ids:
-                self.manager.abort(request_id)
-            raise
-        return Submitted(ids, [len(p) for p in prompts], params[0].n)
-
-    async def _merged(self, submitted: Submitted) -> AsyncIterator[tuple[int, OutputDelta]]:
-        """Deltas of every engine request of one HTTP request, as they come, with the prompt's
-        position. Leaving early (client gone) aborts all of them."""
-        streams = [self.manager.stream(request_id) for request_id in submitted.ids]
-        pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
-        try:
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    position = pending.pop(task)
-                    try:
-                        delta = task.result()
-                    except StopAsyncIteration:
-                        continue
-                    pending[asyncio.ensure_future(anext(streams[position]))] = position
-                    yield position, delta
+            async for output in submitted.stream:
+                submitted.count(output)
+                yield output
         finally:
-            for task in pending:
-                task.cancel()
-            for stream in streams:
-                await stream.aclose()
+            if not submitted.stream.finished:
+                submitted.stream.close()
+                logger.info("%s %s: client went away; request aborted", submitted.route, submitted.response_id)
 
-    def _usage(self, submitted: Submitted, outputs: list[RequestOutput | None]) -> Usage:
-        prompt = sum(submitted.prompt_lengths)
-        completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
-        cached = sum(o.metrics.num_cached_tokens for o in outputs if o is not None and o.metrics)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+    async def _final_outputs(self, submitted: Submitted) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(submitted.request_ids)
+        async for output in self._outputs(submitted):
+            for completion in output.outputs:
+                if completion.error is not None:
+                    raise GenerationError(f"generation failed: {completion.error}")
+            finals[submitted.position(output)] = output
+        return finals
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _log(self, route: str, request_id: str, submitted: Submitted, usage: Usage | None, reasons: list[str]) -> None:
-        logger.info(
-            "%s %s: %d prompt + %d completion tokens, finish %s, %.2fs",
-            route, request_id, usage.prompt_tokens if usage else sum(submitted.prompt_lengths),
-            usage.completion_tokens if usage else 0, ",".join(sorted(set(reasons))) or "-",
-            time.monotonic() - submitted.started,
-        )
-
-    @staticmethod
-    def _raise_error(delta: OutputDelta) -> None:
-        if delta.error is not None:
-            raise RuntimeError(f"generation failed: {delta.error}")
-
     # -- /v1/completions -------------------------------------------------------------------
-    def prepare_completion(self, body: CompletionRequest) -> tuple[list[list[int]], list[SamplingParams]]:
+    def completion_requests(self, body: CompletionRequest) -> list[NewRequest]:
         if body.echo:
             raise InvalidRequestError("echo is not supported", "echo")
-        prompts: list[list[int]] = []
-        for prompt in body.prompts():
-            if isinstance(prompt, str):
-                prompts.append(self.engine.prompt_token_ids(prompt, None))
-            else:
-                prompts.append(self.engine.prompt_token_ids(None, prompt))
+        prompts = body.prompts()
         if not prompts:
             raise InvalidRequestError("prompt must not be empty", "prompt")
-        params = [sampling_params(body, self._fit(p, body.max_tokens, "prompt"), body.logprobs) for p in prompts]
-        return prompts, params
+        params = sampling_params(body, body.max_tokens, body.logprobs)
+        return [NewRequest(new_id("cmpl"), prompt, params) for prompt in prompts]
 
     def _completion_logprobs(self, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
         result = CompletionLogprobs()
@@ -191,79 +171,54 @@ class OpenAIServing:
         return result
 
     async def completion(self, body: CompletionRequest, submitted: Submitted) -> CompletionResponse:
-        request_id = new_id("cmpl")
-        outputs: list[RequestOutput | None] = [None] * len(submitted.ids)
-        async for position, delta in self._merged(submitted):
-            self._raise_error(delta)
-            if delta.output is not None:
-                outputs[position] = delta.output
         choices = []
-        for position, output in enumerate(outputs):
+        for output in await self._final_outputs(submitted):
             for completion in output.outputs:
                 logprobs = None
                 if body.logprobs is not None and completion.logprobs is not None:
                     logprobs = self._completion_logprobs(completion.logprobs, 0)
                 choices.append(CompletionChoice(
-                    index=position * body.n + completion.index, text=completion.text, logprobs=logprobs,
+                    index=submitted.choice_index(output, completion), text=completion.text, logprobs=logprobs,
                     finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
                 ))
-        usage = self._usage(submitted, outputs)
-        self._log("/v1/completions", request_id, submitted, usage, [c.finish_reason or "" for c in choices])
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+        submitted.log()
+        return CompletionResponse(id=submitted.response_id, model=self.model_name, choices=choices,
+                                  usage=submitted.usage())
 
     async def completion_stream(self, body: CompletionRequest, submitted: Submitted) -> AsyncIterator[str]:
-        request_id = new_id("cmpl")
-        outputs: list[RequestOutput | None] = [None] * len(submitted.ids)
         offsets: dict[int, int] = {}
-        reasons: list[str] = []
-        try:
-            async for position, delta in self._merged(submitted):
-                index = submitted.choice_index(position, delta)
-                logprobs = None
-                if body.logprobs is not None and delta.logprobs:
-                    logprobs = self._completion_logprobs(delta.logprobs, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + len(delta.text)
-                if delta.error is not None:
-                    yield _sse({"error": {"message": delta.error, "type": "server_error", "param": None,
-                                          "code": 500}})
-                    reasons.append("error")
+        async for output in self._outputs(submitted):
+            for completion in output.outputs:
+                index = submitted.choice_index(output, completion)
+                if completion.error is not None:
+                    yield _error_event(completion.error)
                     continue
-                if delta.text or delta.finished or logprobs:
-                    chunk = CompletionResponse(id=request_id, model=self.model_name, choices=[CompletionChoice(
-                        index=index, text=delta.text, logprobs=logprobs,
-                        finish_reason=delta.finish_reason if delta.finished else None,
-                        stop_reason=delta.stop_reason if delta.finished else None,
-                    )])
+                logprobs = None
+                if body.logprobs is not None and completion.logprobs:
+                    logprobs = self._completion_logprobs(completion.logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(completion.text)
+                if completion.text or completion.finished or logprobs:
+                    chunk = CompletionResponse(id=submitted.response_id, model=self.model_name, choices=[
+                        CompletionChoice(index=index, text=completion.text, logprobs=logprobs,
+                                         finish_reason=completion.finish_reason,
+                                         stop_reason=completion.stop_reason),
+                    ])
                     yield _sse(chunk.model_dump(exclude={"usage"}))
-                if delta.finished:
-                    reasons.append(delta.finish_reason or "")
-                if delta.output is not None:
-                    outputs[position] = delta.output
-            usage = self._usage(submitted, outputs)
-            if body.include_usage:
-                final = CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
-                yield _sse(final.model_dump())
-            yield "data: [DONE]\n\n"
-            self._log("/v1/completions", request_id, submitted, usage, reasons)
-        finally:
-            if None in outputs:
-                logger.info("/v1/completions %s: client went away; request aborted", request_id)
+        if body.include_usage:
+            final = CompletionResponse(id=submitted.response_id, model=self.model_name, choices=[],
+                                       usage=submitted.usage())
+            yield _sse(final.model_dump())
+        yield "data: [DONE]\n\n"
+        submitted.log()
 
     # -- /v1/chat/completions --------------------------------------------------------------
-    def prepare_chat(self, body: ChatCompletionRequest) -> tuple[list[list[int]], list[SamplingParams]]:
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        for message in messages:
-            if isinstance(message.get("content"), list):
-                message["content"] = "".join(part["text"] for part in message["content"])
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, **(body.chat_template_kwargs or {})
-            )
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), "messages") from exc
-        prompt_ids = self.engine.prompt_token_ids(None, self.tokenizer.encode(text, add_special_tokens=False))
+    def chat_requests(self, body: ChatCompletionRequest) -> list[NewRequest]:
+        chat = ChatPrompt(
+            [m.model_dump(exclude_none=True) for m in body.messages], body.add_generation_prompt,
+            body.chat_template_kwargs,
+        )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return [prompt_ids], [sampling_params(body, self._fit(prompt_ids, body.completion_limit, "messages"), logprobs)]
+        return [NewRequest(new_id("chatcmpl"), chat, sampling_params(body, body.completion_limit, logprobs))]
 
     def _chat_logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs:
         content = []
@@ -276,12 +231,7 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
     async def chat(self, body: ChatCompletionRequest, submitted: Submitted) -> ChatCompletionResponse:
-        request_id = new_id("chatcmpl")
-        output: RequestOutput | None = None
-        async for _, delta in self._merged(submitted):
-            self._raise_error(delta)
-            if delta.output is not None:
-                output = delta.output
+        (output,) = await self._final_outputs(submitted)
         choices = [
             ChatChoice(
                 index=c.index, message=AssistantMessage(content=c.text),
@@ -290,79 +240,69 @@ class OpenAIServing:
             )
             for c in output.outputs
         ]
-        usage = self._usage(submitted, [output])
-        self._log("/v1/chat/completions", request_id, submitted, usage, [c.finish_reason or "" for c in choices])
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+        submitted.log()
+        return ChatCompletionResponse(id=submitted.response_id, model=self.model_name, choices=choices,
+                                      usage=submitted.usage())
 
     async def chat_stream(self, body: ChatCompletionRequest, submitted: Submitted) -> AsyncIterator[str]:
-        request_id = new_id("chatcmpl")
-        output: RequestOutput | None = None
-        reasons: list[str] = []
-
         def chunk(choices: list[ChatChunkChoice]) -> str:
-            payload = ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices).model_dump(
-                exclude={"usage"}
-            )
+            payload = ChatCompletionChunk(id=submitted.response_id, model=self.model_name,
+                                          choices=choices).model_dump(exclude={"usage"})
             for choice in payload["choices"]:  # a delta carries only what changed, as OpenAI's do
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
             return _sse(payload)
 
-        try:
-            # The role comes first, once per choice, as OpenAI sends it.
-            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                         for i in range(body.n)])
-            async for _, delta in self._merged(submitted):
-                if delta.error is not None:
-                    yield _sse({"error": {"message": delta.error, "type": "server_error", "param": None,
-                                          "code": 500}})
-                    reasons.append("error")
+        # The role comes first, once per choice, as OpenAI sends it.
+        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                     for i in range(body.n)])
+        async for output in self._outputs(submitted):
+            for completion in output.outputs:
+                if completion.error is not None:
+                    yield _error_event(completion.error)
                     continue
-                logprobs = self._chat_logprobs(delta.logprobs) if body.logprobs and delta.logprobs else None
-                if delta.text or logprobs:
-                    yield chunk([ChatChunkChoice(index=delta.index, delta=DeltaMessage(content=delta.text),
+                logprobs = self._chat_logprobs(completion.logprobs) if body.logprobs and completion.logprobs else None
+                if completion.text or logprobs:
+                    yield chunk([ChatChunkChoice(index=completion.index, delta=DeltaMessage(content=completion.text),
                                                  logprobs=logprobs)])
-                if delta.finished:
-                    reasons.append(delta.finish_reason or "")
-                    yield chunk([ChatChunkChoice(index=delta.index, delta=DeltaMessage(),
-                                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
-                if delta.output is not None:
-                    output = delta.output
-            usage = self._usage(submitted, [output])
-            if body.include_usage:
-                final = ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage)
-                yield _sse(final.model_dump())
-            yield "data: [DONE]\n\n"
-            self._log("/v1/chat/completions", request_id, submitted, usage, reasons)
-        finally:
-            if output is None:
-                logger.info("/v1/chat/completions %s: client went away; request aborted", request_id)
+                if completion.finished:
+                    yield chunk([ChatChunkChoice(index=completion.index, delta=DeltaMessage(),
+                                                 finish_reason=completion.finish_reason,
+                                                 stop_reason=completion.stop_reason)])
+        if body.include_usage:
+            final = ChatCompletionChunk(id=submitted.response_id, model=self.model_name, choices=[],
+                                        usage=submitted.usage())
+            yield _sse(final.model_dump())
+        yield "data: [DONE]\n\n"
+        submitted.log()
 
     # -- the seed's /generate --------------------------------------------------------------
-    def prepare_generate(self, body: GenerateRequest) -> tuple[list[list[int]], list[SamplingParams]]:
-        prompt_ids = self.engine.prompt_token_ids(body.prompt, None)
+    def generate_requests(self, body: GenerateRequest) -> list[NewRequest]:
         params = SamplingParams.from_seed_args(
-            self._fit(prompt_ids, body.max_new_tokens, "prompt"), body.temperature, body.top_k, body.top_p,
-            body.stop_on_eos, body.do_sample, body.seed,
+            body.max_new_tokens, body.temperature, body.top_k, body.top_p, body.stop_on_eos, body.do_sample, body.seed,
         )
-        return [prompt_ids], [params]
+        params.output_kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+        return [NewRequest(new_id("gen"), body.prompt, params)]
 
     async def generate(self, submitted: Submitted) -> dict:
-        output: RequestOutput | None = None
-        async for _, delta in self._merged(submitted):
-            self._raise_error(delta)
-            if delta.output is not None:
-                output = delta.output
+        (output,) = await self._final_outputs(submitted)
         completion = output.outputs[0]
-        self._log("/generate", str(submitted.ids[0]), submitted, None, [completion.finish_reason or ""])
+        submitted.log()
         return {"text": completion.text, "finish_reason": completion.finish_reason,
-                "prompt_tokens": submitted.prompt_lengths[0], "completion_tokens": len(completion.token_ids)}
+                "prompt_tokens": len(output.prompt_token_ids), "completion_tokens": len(completion.token_ids)}
 
     async def generate_stream(self, submitted: Submitted) -> AsyncIterator[str]:
-        async for _, delta in self._merged(submitted):
-            self._raise_error(delta)
-            if delta.text:
-                yield delta.text
+        async for output in self._outputs(submitted):
+            for completion in output.outputs:
+                if completion.error is not None:
+                    raise GenerationError(f"generation failed: {completion.error}")
+                if completion.text:
+                    yield completion.text
+        submitted.log()
 
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _error_event(message: str) -> str:
+    return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": 500}})

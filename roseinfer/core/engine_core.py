@@ -1,0 +1,86 @@
+"""The engine core: the scheduler, the KV cache manager and an executor, stepped one batch at a time.
+
+    step():  scheduler.schedule() -> SchedulerOutput
+             executor.execute_model(SchedulerOutput) -> ModelRunnerOutput
+             scheduler.update_from_output(...) -> EngineCoreOutputs
+
+It takes `EngineCoreRequest`s and aborts and gives back `EngineCoreOutputs`; it never sees text.
+The same class runs in the caller's thread (LLMEngine), in a background thread or in a process of
+its own (AsyncLLM, see core_client.py and engine_core_proc.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from roseinfer.config import EngineConfig, ModelConfig
+from roseinfer.core.kv_cache_manager import KVCacheManager
+from roseinfer.core.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ModelRunnerOutput,
+)
+from roseinfer.core.scheduler import Scheduler
+from roseinfer.executor import Executor, executor_class
+from roseinfer.request import Request, RequestStatus
+from roseinfer.step_timings import PhaseClock, StepTimings
+
+logger = logging.getLogger("roseinfer")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        self.timings = StepTimings()
+        started = time.perf_counter()
+        self.executor = executor or executor_class(config)(config, model_config, self.timings)
+        self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        logger.debug("engine core ready in %.1fs", time.perf_counter() - started)
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """End these requests now and free their blocks; returns the ids that were still running."""
+        ended = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [request.request_id for request in ended]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache.reset_prefix_cache()
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        clock = PhaseClock(self.timings)
+        scheduler_output = self.scheduler.schedule()
+        clock.lap("schedule")
+        if scheduler_output.empty:
+            runner_output = ModelRunnerOutput()
+        else:
+            try:
+                runner_output = self.executor.execute_model(scheduler_output)
+            except Exception as exc:  # keep serving the requests that were not in this step
+                logger.exception("model step failed; ending the %d requests in it",
+                                 len(scheduler_output.num_scheduled_tokens))
+                return self._fail(scheduler_output.num_scheduled_tokens, f"{type(exc).__name__}: {exc}")
+            clock.last = time.perf_counter()  # the executor timed its own phases
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        clock.lap("update")
+        if not scheduler_output.empty:
+            self.timings.steps += 1
+        return outputs
+
+    def _fail(self, request_ids: Iterable[str], message: str) -> EngineCoreOutputs:
+        failed = self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ERROR)
+        outputs = [EngineCoreOutput(r.request_id, [], finish_reason="error", error=message) for r in failed]
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

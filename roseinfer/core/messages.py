@@ -1,0 +1,120 @@
+"""The plain-data messages that cross the engine's seams, as vLLM v1 names them.
+
+    front end --EngineCoreRequest--> EngineCore --SchedulerOutput--> Executor / ModelRunner
+    front end <--EngineCoreOutputs-- EngineCore <--ModelRunnerOutput-- Executor / ModelRunner
+
+Every message is a dataclass of ints, strings, lists, `SamplingParams` and numpy arrays only, so
+that `roseinfer.core.serial` can send it to another process (an engine-core process, a
+tensor-parallel worker) as it is; in one process the objects are passed along without copying.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from roseinfer.outputs import TokenLogprob
+from roseinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    """A validated, tokenized request with one sequence to generate (n > 1 is fanned out before).
+
+    `sampling_params.max_tokens` is the effective limit (the model's context applied already).
+    `fork_of` names a sibling of the same prompt added before this one (n > 1): this request then
+    shares that sibling's prompt blocks instead of computing the prompt again.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    fork_of: str | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request: new tokens and, on its last output, why it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    error: str | None = None  # with finish_reason "error": what went wrong
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held at first scheduling
+    first_scheduled_time: float | None = None  # time.monotonic() when it first ran
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler and KV cache, sent with every batch of outputs."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks held by requests, 0..1
+    num_preemptions: int = 0  # since start
+    prefix_cache_queries: int = 0  # prompt tokens looked up, since start
+    prefix_cache_hits: int = 0  # of those, tokens found
+    max_batch_requests: int = 0  # the most requests one step has run together
+    num_steps: int = 0
+    num_scheduled_tokens: int = 0  # tokens run through the model, since start
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+
+
+@dataclass
+class NewRequestData:
+    """A request the model runner has not seen: everything it needs to run it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens generated before (a fork's parent has none yet)
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner knows: what changed since it last ran."""
+
+    req_id: str
+    new_token_ids: list[int]  # tokens the scheduler appended since the runner last saw it
+    block_ids: list[int] | None  # the whole block table when it changed, else None
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch, in the order the runner lays it out."""
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the step
+    finished_req_ids: list[str] = field(default_factory=list)  # the runner forgets these
+
+    @property
+    def empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens of the requests that got a sample this step (caught-up ones), in order."""
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob]] | None = None  # per request, one per sampled token

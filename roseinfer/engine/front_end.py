@@ -1,0 +1,56 @@
+"""What `LLMEngine` and `AsyncLLM` share: the model's tokenizer and configuration (no weights),
+the engine configuration resolved against them, and the input and output processors."""
+
+from __future__ import annotations
+
+import logging
+
+from roseinfer.config import EngineConfig
+from roseinfer.core.messages import EngineCoreRequest
+from roseinfer.input_processor import InputProcessor, ProcessedRequest
+from roseinfer.models.loader import ModelSource
+from roseinfer.output_processor import OutputProcessor
+
+logger = logging.getLogger("roseinfer")
+
+
+class EngineFrontEnd:
+    def __init__(self, config: EngineConfig) -> None:
+        source = ModelSource.resolve(config.model, config.tokenizer)
+        self.model_config = source.model_config()
+        config.resolve(self.model_config)
+        self.config = config
+        self.tokenizer = source.tokenizer()
+        self.model_name = config.served_model_name or source.name
+        self.max_model_len: int = config.max_model_len
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def adopt_front_end(self, other: EngineFrontEnd) -> None:
+        """Take another front end's model, tokenizer and configuration (with new output state)."""
+        self.model_config, self.config, self.tokenizer = other.model_config, other.config, other.tokenizer
+        self.model_name, self.max_model_len = other.model_name, other.max_model_len
+        self.input_processor = other.input_processor
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def register_request(self, processed: ProcessedRequest) -> list[EngineCoreRequest]:
+        """Let the output processor expect the request's outputs; returns what the core runs."""
+        self.output_processor.add_request(
+            processed.request_id, processed.prompt, processed.prompt_token_ids, processed.sampling_params,
+            [r.request_id for r in processed.core_requests], processed.arrival_time,
+        )
+        return processed.core_requests
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def log_ready(self, seconds: float) -> None:
+        config, model = self.config, self.model_config
+        kv_bytes = config.num_kv_blocks * model.kv_block_bytes(config.block_size, config.torch_dtype)
+        logger.info(
+            "loaded %s (%s, %d layers) on %s/%s, quantization %s, in %.1fs; KV cache: %d blocks of %d tokens "
+            "(%.2f GiB), max_model_len %d",
+            self.model_name, model.architecture, model.num_layers, config.torch_device,
+            str(config.torch_dtype).removeprefix("torch."), config.quantization, seconds,
+            config.num_kv_blocks, config.block_size, kv_bytes / 1024**3, self.max_model_len,
+        )

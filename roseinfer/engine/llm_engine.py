@@ -1,0 +1,79 @@
+"""The synchronous engine under `LLM.generate` / `LLM.chat`: requests in, one step at a time,
+`RequestOutput`s out; the engine core runs in the caller's thread."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from roseinfer.config import EngineConfig
+from roseinfer.core.engine_core import EngineCore
+from roseinfer.engine.front_end import EngineFrontEnd
+from roseinfer.input_processor import ProcessedRequest, PromptType
+from roseinfer.outputs import RequestOutput
+from roseinfer.sampling_params import SamplingParams
+from roseinfer.step_timings import PhaseClock
+
+
+class LLMEngine(EngineFrontEnd):
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
+        super().__init__(config)
+        self.engine_core = EngineCore(config, self.model_config)
+        self.timings = self.engine_core.timings
+        self._request_counter = itertools.count()
+        self.log_ready(time.perf_counter() - started)
+
+    @classmethod
+    def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(model=model, **engine_args))
+
+    # -- requests -------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        """A fresh request id ("0", "1", ...), shared by every API over this engine."""
+        return str(next(self._request_counter))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        add_special_tokens: bool = True,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Check, tokenize and queue a request (raises InvalidRequestError, leaving nothing queued)."""
+        self.add_processed_request(self.input_processor.process(
+            request_id, prompt, params or SamplingParams(), add_special_tokens=add_special_tokens,
+            arrival_time=arrival_time,
+        ))
+
+    def add_processed_request(self, processed: ProcessedRequest) -> None:
+        """Queue a request the input processor has checked already (possibly in another thread)."""
+        for core_request in self.register_request(processed):
+            self.engine_core.add_request(core_request)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests now and free their blocks. Unknown or finished ids are ignored."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            sequence_ids, _ = self.output_processor.abort_request(request_id)
+            self.engine_core.abort_requests(sequence_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine_core.reset_prefix_cache()
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the outputs of the requests it touched."""
+        core_outputs = self.engine_core.step()
+        clock = PhaseClock(self.timings)
+        processed = self.output_processor.process_outputs(core_outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        clock.lap("output")
+        return processed.request_outputs

@@ -1,0 +1,23 @@
+"""The executor interface the engine core talks to."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from roseinfer.config import EngineConfig, ModelConfig
+from roseinfer.core.messages import ModelRunnerOutput, SchedulerOutput
+from roseinfer.step_timings import StepTimings
+
+
+class Executor(ABC):
+    """Loads the model (on every worker it has), allocates the KV pool and runs steps."""
+
+    @abstractmethod
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, timings: StepTimings) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step; raises if the step failed (the core then fails its requests)."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional: an in-process executor has nothing to release
+        """Release workers and memory."""

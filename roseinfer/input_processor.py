@@ -1,0 +1,171 @@
+"""From what a caller sends to what the engine core runs: every check, the chat template,
+tokenizing, and one context-length rule, once per request.
+
+The rule: a prompt may use the whole context (`max_model_len` tokens), and a request may generate
+until the sequence is one token longer than that (the last sampled token is never fed back into the
+model, so it needs no place in the context): `max_model_len - len(prompt) + 1` tokens at most.
+Asking for more is an error where the caller is told what fits (the HTTP API, `strict_max_tokens`)
+and is capped otherwise (the offline API, as vLLM's does).
+
+A request with n > 1 becomes n engine-core requests ("<id>/<index>"), each with seed + index
+(wrapped to 64 bits) when a seed is given, all but the first sharing the first one's prompt blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from roseinfer.config import ModelConfig
+from roseinfer.core.messages import EngineCoreRequest
+from roseinfer.errors import ContextLengthError, InvalidRequestError
+from roseinfer.sampling_params import SamplingParams
+from roseinfer.tokenizer import Tokenizer
+
+_SEED_SPACE = 2**64  # seeds torch accepts: [-2**63, 2**64)
+
+
+@dataclass
+class ChatPrompt:
+    """Chat messages to render with the model's chat template (OpenAI's message shapes)."""
+
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+PromptType = str | Sequence[int] | ChatPrompt
+
+
+@dataclass
+class ProcessedRequest:
+    request_id: str
+    prompt: str | None  # the text, when the caller gave text (or chat messages)
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # max_tokens resolved
+    core_requests: list[EngineCoreRequest]  # one per sequence (n)
+    arrival_time: float
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = max_model_len
+        eos = set(model_config.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        add_special_tokens: bool = True,
+        strict_max_tokens: bool = False,
+        arrival_time: float | None = None,
+    ) -> ProcessedRequest:
+        """Check and tokenize one request; raises InvalidRequestError (ContextLengthError for
+        the context rule) naming the field."""
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        text, token_ids = self.prompt_token_ids(prompt, add_special_tokens)
+        params = self._resolve_params(params, len(token_ids), strict_max_tokens)
+        return ProcessedRequest(request_id, text, token_ids, params,
+                                self._fan_out(request_id, token_ids, params, arrival), arrival)
+
+    # -- prompts --------------------------------------------------------------------------
+    def render_chat(self, chat: ChatPrompt) -> str:
+        """The prompt text of a conversation, from the model's chat template."""
+        kwargs = dict(chat.chat_template_kwargs or {})
+        for reserved in ("messages", "add_generation_prompt"):
+            if reserved in kwargs:
+                raise InvalidRequestError(
+                    f"chat_template_kwargs must not set {reserved!r}; it is a request field of its own",
+                    "chat_template_kwargs",
+                )
+        try:
+            return self.tokenizer.apply_chat_template(
+                chat.messages, add_generation_prompt=chat.add_generation_prompt, **kwargs
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), "messages") from exc
+
+    def prompt_token_ids(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(prompt text or None, checked token ids)."""
+        if isinstance(prompt, ChatPrompt):
+            text = self.render_chat(prompt)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS
+        elif isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        elif isinstance(prompt, Sequence):
+            text, ids = None, list(prompt)
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt_token_ids contains {bad[:3]}, outside the vocabulary [0, {self.vocab_size})",
+                    "prompt_token_ids",
+                )
+        else:
+            raise InvalidRequestError("a prompt (text, token ids or chat messages) is required", "prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if len(ids) > self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens, more than the model's context "
+                f"(max_model_len {self.max_model_len})",
+                "messages" if isinstance(prompt, ChatPrompt) else "prompt",
+            )
+        return text, ids
+
+    # -- parameters -----------------------------------------------------------------------
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """The most tokens a request with this prompt may generate (the module's rule)."""
+        return self.max_model_len - num_prompt_tokens + 1
+
+    def _resolve_params(self, params: SamplingParams, num_prompt_tokens: int, strict: bool) -> SamplingParams:
+        room = self.max_new_tokens(num_prompt_tokens)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            if strict:
+                raise ContextLengthError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                    f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                    f"{max_tokens} for the completion); at most {room} completion tokens fit after this "
+                    "prompt. Please reduce the prompt or max_tokens.",
+                    "max_tokens",
+                )
+            max_tokens = room
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise InvalidRequestError(
+                f"stop_token_ids contains {bad_stop[:3]}, outside the vocabulary [0, {self.vocab_size})",
+                "stop_token_ids",
+            )
+        if max_tokens == params.max_tokens and params.min_tokens <= max_tokens:
+            return params
+        return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
+
+    def _fan_out(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float
+    ) -> list[EngineCoreRequest]:
+        if params.n == 1:
+            return [EngineCoreRequest(request_id, token_ids, params, self.eos_token_ids, arrival)]
+        first = f"{request_id}/0"
+        requests = []
+        for index in range(params.n):
+            child = params
+            if params.seed is not None:
+                seed = params.seed + index
+                child = dataclasses.replace(params, seed=seed - _SEED_SPACE if seed >= _SEED_SPACE else seed)
+            requests.append(EngineCoreRequest(
+                f"{request_id}/{index}", token_ids, child, self.eos_token_ids, arrival,
+                fork_of=first if index else None,
+            ))
+        return requests

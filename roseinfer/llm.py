@@ -1,0 +1,148 @@
+"""vLLM's offline entry point: `LLM(model=None, **engine_args).generate(prompts, params)` and
+`.chat(conversations, params)`, over the synchronous `LLMEngine`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.engine.seed_api import InferenceEngine
+from roseinfer.errors import InvalidRequestError
+from roseinfer.input_processor import ChatPrompt
+from roseinfer.outputs import RequestOutput
+from roseinfer.sampling_params import RequestOutputKind, SamplingParams
+
+PromptInput = str | Sequence[int] | dict[str, Any]
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(model, **engine_args)
+        # The seed's engine API over the same engine (its `generate`, `stream_generate`, and the
+        # views that tests and tools use: scheduler, kv_cache, runner).
+        self.engine = InferenceEngine(llm_engine=self.llm_engine)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> None:
+        self.llm_engine.reset_prefix_cache()
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        return self._run(_normalize_prompts(prompts, prompt_token_ids), sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        if not messages:
+            raise InvalidRequestError("messages must not be empty", "messages")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [ChatPrompt(list(c), add_generation_prompt, chat_template_kwargs) for c in conversations]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        prompts: list[str | list[int] | ChatPrompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        params_list = _per_prompt_params(sampling_params, len(prompts))
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                request_id = engine.new_request_id()
+                engine.add_request(request_id, prompt, params)
+                ids.append(request_id)
+        except Exception:
+            engine.abort_request(ids)  # leave the engine as it was
+            raise
+
+        results: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        started, generated = time.perf_counter(), 0
+        try:
+            while len(results) < len(ids):
+                for output in engine.step():
+                    if output.finished and output.request_id not in results:
+                        results[output.request_id] = output
+                        generated += sum(len(c.token_ids) for c in output.outputs)
+                        progress.update(1)
+                        elapsed = time.perf_counter() - started
+                        progress.set_postfix_str(f"output {generated / max(elapsed, 1e-9):.1f} tok/s")
+        finally:
+            progress.close()
+            engine.abort_request([i for i in ids if i not in results])
+        return [results[request_id] for request_id in ids]
+
+
+def _normalize_prompts(
+    prompts: PromptInput | Sequence[PromptInput] | None,
+    prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None,
+) -> list[str | list[int]]:
+    if prompts is None and prompt_token_ids is None:
+        raise InvalidRequestError("either prompts or prompt_token_ids is required", "prompts")
+    if prompts is not None and prompt_token_ids is not None:
+        raise InvalidRequestError("pass prompts or prompt_token_ids, not both", "prompt_token_ids")
+    if prompt_token_ids is not None:
+        if prompt_token_ids and isinstance(prompt_token_ids[0], int):
+            return [list(prompt_token_ids)]
+        return [list(ids) for ids in prompt_token_ids]
+    if isinstance(prompts, str | dict):
+        prompts = [prompts]
+    elif prompts and isinstance(prompts[0], int):
+        prompts = [prompts]
+    items: list[str | list[int]] = []
+    for prompt in prompts:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                items.append(list(prompt["prompt_token_ids"]))
+            elif "prompt" in prompt:
+                items.append(prompt["prompt"])
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompts")
+        elif isinstance(prompt, str):
+            items.append(prompt)
+        else:
+            items.append(list(prompt))
+    return items
+
+
+def _per_prompt_params(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    """One SamplingParams per prompt, each asking for its final output only."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        one = _final_only(sampling_params or SamplingParams())
+        return [one] * count
+    params = list(sampling_params)
+    if len(params) != count:
+        raise InvalidRequestError(
+            f"got {len(params)} sampling_params for {count} prompts", "sampling_params"
+        )
+    return [_final_only(p) for p in params]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if params.output_kind == RequestOutputKind.FINAL_ONLY:
+        return params
+    return replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
