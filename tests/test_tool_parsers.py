@@ -81,6 +81,7 @@ HERMES_CASES = {
         [WEATHER, TIME],
     ),
     "whitespace only": ("  \n", "  \n", []),
+    "absurdly deep": ("<tool_call>" + "[" * 20_000 + "</tool_call>", None, []),
     "text before, blank lines after": (
         "  Sure.\n\n" + hermes_block(WEATHER) + "\n\n",
         "  Sure.",
@@ -118,7 +119,12 @@ LLAMA3_CASES = {
         [],
     ),
     "tag only": ("<|python_tag|>", "<|python_tag|>", []),
+    "absurdly deep": ('{"name": "f", "parameters": ' + "[" * 20_000, None, []),
 }
+
+for cases in (HERMES_CASES, LLAMA3_CASES):  # malformed: the text comes back as content
+    text, _, calls = cases["absurdly deep"]
+    cases["absurdly deep"] = (text, text, calls)
 
 CASES = [("hermes", name, *case) for name, case in HERMES_CASES.items()] + [
     ("llama3_json", name, *case) for name, case in LLAMA3_CASES.items()
@@ -286,7 +292,7 @@ def test_named_tool_choice_walks_give_valid_arguments(compiler, smollm_tokenizer
 
 
 def test_required_output_that_is_not_calls_is_content():
-    for text in ['[{"name": "ping", "parameters": {}', "[]", '{"name": "ping", "parameters": {}}']:
+    for text in ['[{"name": "ping", "parameters": {}', "[]", '{"name": "ping", "parameters": {}}', "[" * 20_000]:
         assert extract_required_tool_calls(text) == (text, [])
 
 

@@ -123,7 +123,7 @@ def call_from_json(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall | No
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
             return None
     if not isinstance(arguments, dict):
         return None

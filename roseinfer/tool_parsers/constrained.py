@@ -124,7 +124,7 @@ def extract_required_tool_calls(text: str) -> ExtractedToolCalls:
     by max_tokens, say) comes back as content."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
         return ExtractedToolCalls(text, [])
     calls = [call_from_json(item, ("parameters",)) for item in value] if isinstance(value, list) else []
     if not calls or any(call is None for call in calls):
@@ -142,14 +142,14 @@ class RequiredToolCallStream(ToolCallStream):
 
     def __init__(self) -> None:
         super().__init__()
-        self._text = ""
+        self._pieces: list[str] = []
 
     def feed(self, text: str) -> list[Delta]:
-        self._text += text
+        self._pieces.append(text)
         return []
 
     def finish(self) -> list[Delta]:
-        content, calls = extract_required_tool_calls(self._text)
+        content, calls = extract_required_tool_calls("".join(self._pieces))
         if content is not None:
             return [ContentDelta(content)] if content else []
         return [delta for call in calls for delta in self._call_deltas(call)]

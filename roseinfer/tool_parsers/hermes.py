@@ -26,7 +26,7 @@ START, END = "<tool_call>", "</tool_call>"
 def _parse_block(body: str) -> ToolCall | None:
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
         return None
     return call_from_json(value, ("arguments", "parameters"))
 
@@ -65,40 +65,52 @@ class HermesToolCallStream(ToolCallStream):
 
     def __init__(self) -> None:
         super().__init__()
-        self._buffer = ""  # text not yet handled
-        self._in_block = False  # inside <tool_call>...; the buffer holds the block's body so far
+        self._partial = ""  # the end of the text so far, when it may begin a <tool_call> tag
+        self._in_block = False
+        self._block: list[str] = []  # the open block's body so far, in pieces
+        self._block_tail = ""  # its last characters, where a </tool_call> may have begun
         self._held_space = ""  # whitespace after the content sent so far, kept until we know more
         self._sent_content = False
 
     def feed(self, text: str) -> list[Delta]:
-        self._buffer += text
         deltas: list[Delta] = []
-        while True:
+        text, self._partial = self._partial + text, ""
+        while text:
             if self._in_block:
-                end = self._buffer.find(END)
+                # Search only the new text (and the few characters before it): linear time.
+                window = self._block_tail + text
+                end = window.find(END)
                 if end < 0:
-                    return deltas
-                body, self._buffer = self._buffer[:end], self._buffer[end + len(END) :]
-                self._in_block = False
+                    self._block.append(text)
+                    self._block_tail = window[-(len(END) - 1) :]
+                    break
+                whole = "".join(self._block) + text
+                cut = len(whole) - len(window) + end
+                body, text = whole[:cut], whole[cut + len(END) :]
+                self._in_block, self._block, self._block_tail = False, [], ""
                 call = _parse_block(body)
                 if call is None:
                     deltas += self._content(START + body + END)
                 else:
                     deltas += self._call_deltas(call)
             else:
-                start = self._buffer.find(START)
+                start = text.find(START)
                 if start < 0:
-                    split = len(self._buffer) - _partial_tag_length(self._buffer)
-                    ready, self._buffer = self._buffer[:split], self._buffer[split:]
-                    return deltas + self._content(ready)
-                deltas += self._content(self._buffer[:start])
-                self._buffer = self._buffer[start + len(START) :]
+                    split = len(text) - _partial_tag_length(text)
+                    deltas += self._content(text[:split])
+                    self._partial = text[split:]
+                    break
+                deltas += self._content(text[:start])
+                text = text[start + len(START) :]
                 self._in_block = True
+        return deltas
 
     def finish(self) -> list[Delta]:
-        rest, self._buffer = self._buffer, ""
-        deltas = self._content(START + rest if self._in_block else rest)  # an unclosed block
-        self._in_block = False
+        if self._in_block:  # never closed: it is content as written
+            deltas = self._content(START + "".join(self._block))
+        else:
+            deltas = self._content(self._partial)
+        self._partial, self._in_block, self._block, self._block_tail = "", False, [], ""
         held, self._held_space = self._held_space, ""
         if held and not self.sent_tool_calls:
             deltas.append(ContentDelta(held))

@@ -31,7 +31,7 @@ def _parse_calls(text: str) -> list[ToolCall] | None:
             position += 1
         try:
             value, position = _decoder.raw_decode(body, position)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
             return None
         call = call_from_json(value, ("parameters", "arguments"))
         if call is None:
@@ -69,27 +69,28 @@ class Llama3JsonToolCallStream(ToolCallStream):
 
     def __init__(self) -> None:
         super().__init__()
-        self._buffer = ""
+        self._pieces: list[str] = []  # the text held so far
         self._mode: str | None = None  # None (undecided), "content" or "calls"
 
     def feed(self, text: str) -> list[Delta]:
         if self._mode == "content":
             return [ContentDelta(text)] if text else []
-        self._buffer += text
+        self._pieces.append(text)
         if self._mode is None:
-            stripped = self._buffer.lstrip()
+            held = "".join(self._pieces)
+            self._pieces = [held]
+            stripped = held.lstrip()
             if not stripped or (PYTHON_TAG.startswith(stripped) and stripped != PYTHON_TAG):
                 return []  # only whitespace, or part of the tag, so far
             if _looks_like_calls(stripped):
                 self._mode = "calls"
             else:
-                self._mode = "content"
-                text, self._buffer = self._buffer, ""
-                return [ContentDelta(text)]
+                self._mode, self._pieces = "content", []
+                return [ContentDelta(held)]
         return []
 
     def finish(self) -> list[Delta]:
-        text, self._buffer = self._buffer, ""
+        text, self._pieces = "".join(self._pieces), []
         calls = _parse_calls(text) if self._mode == "calls" else None
         if calls is None:
             return [ContentDelta(text)] if text else []
