@@ -1,0 +1,141 @@
+"""Grammars with llguidance: compiled on a small thread pool off the caller's thread, cached by
+grammar text, and tracked per request (allowed next tokens, accepted tokens, termination)."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.torch
+import torch
+
+from roseinfer.errors import InvalidRequestError
+from roseinfer.structured_output.llg_tokenizer import build_llg_tokenizer
+from roseinfer.structured_output.params import StructuredOutputsParams
+from roseinfer.tokenizer import Tokenizer
+
+
+class Grammar:
+    """One request's place in its grammar. Not thread-safe: one owner at a time."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+        self.num_accepted = 0  # how far `rollback` may go
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        """Advance over sampled tokens. False (and `error` says why) when one is not allowed:
+        the grammar then stays in that error state."""
+        for token_id in token_ids:
+            if not self.matcher.consume_token(int(token_id)):
+                return False
+            self.num_accepted += 1
+        return True
+
+    def validate_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, in order, the grammar would accept (nothing is accepted)."""
+        return self.matcher.validate_tokens([int(t) for t in token_ids])
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (CPU, from `allocate_bitmask`)."""
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def is_terminated(self) -> bool:
+        """The output is complete: nothing but an end-of-sequence token may follow (also true
+        after an error)."""
+        return self.matcher.is_stopped()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last `num_tokens` accepted tokens (rejected speculative tokens)."""
+        if not 0 <= num_tokens <= self.num_accepted:
+            raise ValueError(f"cannot roll back {num_tokens} of {self.num_accepted} accepted tokens")
+        if num_tokens and not self.matcher.rollback(num_tokens):
+            raise RuntimeError(f"grammar rollback failed: {self.matcher.get_error()}")
+        self.num_accepted -= num_tokens
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar stopped accepting tokens, or None."""
+        if not self.matcher.is_error():
+            return None
+        return self.matcher.get_error() or "unknown grammar error"
+
+
+class CompiledGrammar:
+    """A compiled grammar, shared by every request that asks for the same one."""
+
+    def __init__(self, grammar_text: str, matcher: llguidance.LLMatcher) -> None:
+        self.grammar_text = grammar_text
+        self._initial = matcher  # never advanced: requests start from copies of it
+
+    def new_grammar(self) -> Grammar:
+        """A fresh per-request state at the start of the grammar (a cheap copy)."""
+        return Grammar(self._initial.deep_copy())
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams for one tokenizer on `max_workers` threads; the same
+    grammar text is compiled once and its CompiledGrammar shared (the last `cache_size` kept).
+
+    `vocab_size` is the model's logits width when larger than the tokenizer's vocabulary;
+    `eos_token_ids` are the ids that may end a finished grammar (default: the tokenizer's EOS).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int | None = None,
+        eos_token_ids: Iterable[int] | None = None,
+        max_workers: int = 2,
+        cache_size: int = 256,
+    ) -> None:
+        self.llg_tokenizer = build_llg_tokenizer(
+            tokenizer, vocab_size=vocab_size, eos_token_ids=eos_token_ids
+        )
+        self.vocab_size: int = self.llg_tokenizer.vocab_size
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def compile_async(self, params: StructuredOutputsParams) -> Future[CompiledGrammar]:
+        """A future of the compiled grammar; it raises InvalidRequestError naming the field
+        when the grammar does not compile."""
+        key = params.cache_key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = self._pool.submit(self._compile, params)
+            self._cache[key] = future
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        future.add_done_callback(lambda done: self._forget_failure(key, done))
+        return future
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """compile_async, waited for."""
+        return self.compile_async(params).result()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        text = params.grammar_text
+        # LLMatcher never raises for a bad grammar: it starts in an error state instead.
+        matcher = llguidance.LLMatcher(self.llg_tokenizer, text, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(
+                f"invalid {params.param}: {matcher.get_error().strip()}", param=params.param
+            )
+        return CompiledGrammar(text, matcher)
+
+    def _forget_failure(self, key: str, future: Future[CompiledGrammar]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            with self._lock:
+                if self._cache.get(key) is future:
+                    del self._cache[key]

@@ -1,0 +1,130 @@
+"""What every tool-call parser gives back: tool calls with OpenAI-style ids, the text that was not
+a call, and, while streaming, OpenAI-shaped deltas (content pieces and tool-call pieces)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
+
+
+def make_tool_call_id() -> str:
+    """An id like OpenAI's: "call_" and 24 random letters and digits."""
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+    return "call_" + "".join(secrets.choice(alphabet) for _ in range(24))
+
+
+@dataclass
+class ToolCall:
+    """A function call; `arguments` is JSON text, as the OpenAI API carries it."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=make_tool_call_id)
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+class ExtractedToolCalls(NamedTuple):
+    """`content` is the text outside the calls (None when there is none)."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+@dataclass
+class ContentDelta:
+    text: str
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of the tool call at `index`: its first piece carries id and name, the later ones
+    pieces of the arguments text, which add up to the call's full arguments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def to_openai(self) -> dict[str, Any]:
+        delta: dict[str, Any] = {"index": self.index}
+        function: dict[str, Any] = {"arguments": self.arguments}
+        if self.id is not None:
+            delta.update(id=self.id, type="function")
+        if self.name is not None:
+            function["name"] = self.name
+        delta["function"] = function
+        return delta
+
+
+Delta = ContentDelta | ToolCallDelta
+
+
+class ToolCallStream(ABC):
+    """Turns one response's text, fed as it is generated, into deltas. Feeding the whole text
+    and then `finish()` gives the same content and calls as the parser's extract_tool_calls."""
+
+    def __init__(self) -> None:
+        self._calls_sent = 0
+
+    @abstractmethod
+    def feed(self, text: str) -> list[Delta]:
+        """Deltas for the text generated since the last call."""
+
+    @abstractmethod
+    def finish(self) -> list[Delta]:
+        """Deltas for what was held back, once the response has ended."""
+
+    @property
+    def sent_tool_calls(self) -> bool:
+        """Whether any tool call went out (the response then finishes with "tool_calls")."""
+        return self._calls_sent > 0
+
+    def _call_deltas(self, call: ToolCall) -> list[Delta]:
+        index = self._calls_sent
+        self._calls_sent += 1
+        return [
+            ToolCallDelta(index, id=call.id, name=call.name),
+            ToolCallDelta(index, arguments=call.arguments),
+        ]
+
+
+class ToolParser(ABC):
+    """Finds the tool calls a model wrote in its own format."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
+        """The calls in a whole response; malformed calls stay in the content."""
+
+    @abstractmethod
+    def stream(self) -> ToolCallStream:
+        """A fresh streaming extractor for one response."""
+
+
+def call_from_json(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall | None:
+    """A ToolCall from a decoded {"name": ..., <one of arguments_keys>: {...}} object, or None
+    when it is not one. Arguments written as JSON text count if they decode to an object."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    present = [key for key in arguments_keys if key in value]
+    if len(present) != 1:
+        return None
+    arguments = value[present[0]]
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(name=value["name"], arguments=json.dumps(arguments, ensure_ascii=False))
