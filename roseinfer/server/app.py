@@ -96,6 +96,7 @@ def create_app(
     manager: SchedulerManager,
     served_model_name: str | None = None,
     api_key: str | None = None,
+    enable_web_ui: bool = True,
 ) -> FastAPI:
     """The app over a started SchedulerManager (which owns the engine and its thread)."""
     engine = manager.engine
@@ -197,4 +198,8 @@ def create_app(
     async def metrics() -> Response:
         return Response(manager.metrics.render(), media_type=CONTENT_TYPE)
 
+    if enable_web_ui:  # the chat page at / (open to all; the page sends the API key itself)
+        from roseinfer.server.web_ui import add_web_ui
+
+        add_web_ui(app)
     return app
