@@ -33,16 +33,21 @@ class ServerProcess:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self.log.close()
                 raise RuntimeError(f"the server exited: {self.output()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 time.sleep(0.3)
-        raise RuntimeError(f"the server did not start: {self.output()}")
+        self.process.kill()  # no server left behind by a failed start
+        self.process.wait()
+        self.log.close()
+        raise RuntimeError(f"the server did not start in 180 s: {self.output()}")
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         with open(self.log_path) as handle:
             return handle.read()
 
