@@ -50,11 +50,12 @@ function clearAlert(source = null) {
 // "TTFT 150 ms · 25.3 tok/s · 24 tokens": time to first token, then the decode rate (tokens
 // after the first over the time since it arrived).
 function figuresText(figures) {
-  if (!figures || figures.ttftMs == null) return figures?.ended ? `${figures.ended}` : "";
-  const parts = [`TTFT ${Math.round(figures.ttftMs)} ms`];
-  if (figures.tokensPerSecond != null) parts.push(`${figures.tokensPerSecond.toFixed(1)} tok/s`);
-  parts.push(`${figures.tokens} token${figures.tokens === 1 ? "" : "s"}`);
-  if (figures.ended) parts.push(figures.ended);
+  const { ttftMs, tokensPerSecond, tokens, ended } = figures ?? {};
+  const parts = [];
+  if (Number.isFinite(ttftMs)) parts.push(`TTFT ${Math.round(ttftMs)} ms`);
+  if (Number.isFinite(tokensPerSecond)) parts.push(`${tokensPerSecond.toFixed(1)} tok/s`);
+  if (Number.isFinite(tokens)) parts.push(`${tokens} token${tokens === 1 ? "" : "s"}`);
+  if (typeof ended === "string") parts.push(ended);
   return parts.join(" · ");
 }
 

@@ -22,7 +22,8 @@ const parser = new marked.Marked({
       return block ? `<p class="raw">${escapeHtml(text)}</p>` : escapeHtml(text);
     },
     image({ href, text }) {
-      return `<a href="${escapeHtml(href)}">${escapeHtml(text || href)}</a>`;
+      const target = String(href ?? "");
+      return `<a href="${escapeHtml(target)}">${escapeHtml(text || target)}</a>`;
     },
   },
 });
