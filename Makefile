@@ -5,8 +5,12 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --quiet --disable-pip-version-check
 RUNTIME := $(VENV)/.runtime-installed
 TESTDEPS := $(VENV)/.test-installed
+CHROMIUM := /usr/bin/chromium
+WEB_VENDOR := roseinfer/server/static/vendor
+MARKED_VERSION ?= 18.2.1
+DOMPURIFY_VERSION ?= 3.4.18
 
-.PHONY: setup setup-test serve run test lint bench clean
+.PHONY: setup setup-test chromium serve run test lint bench web-vendor clean
 
 $(RUNTIME): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
@@ -26,7 +30,13 @@ $(TESTDEPS): $(RUNTIME)
 
 setup: $(RUNTIME)
 
-setup-test: $(TESTDEPS)
+setup-test: $(TESTDEPS) chromium
+
+# Debian's Chromium for the chat page's browser tests (Playwright never downloads a browser here).
+# Run as root, as here and on CI; the package lists are refreshed only if the first try fails.
+chromium:
+	@test -x $(CHROMIUM) || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 # The OpenAI-compatible server on the default model at 127.0.0.1:8000 (Ctrl-C stops it cleanly).
 serve: setup
@@ -45,6 +55,18 @@ lint: setup-test
 
 bench: setup-test
 	$(VENV)/bin/roseinfer bench offline
+
+# Refresh the chat page's vendored marked and DOMPurify (their built, minified files) from the npm
+# registry; needs npm, and nothing else does: the files are committed.
+web-vendor:
+	@tmp=$$(mktemp -d) && \
+	(cd $$tmp && npm pack --silent marked@$(MARKED_VERSION) dompurify@$(DOMPURIFY_VERSION) >/dev/null && \
+	 mkdir marked dompurify && tar xzf marked-*.tgz -C marked && tar xzf dompurify-*.tgz -C dompurify) && \
+	sed '/^\/\/# sourceMappingURL=/d' $$tmp/marked/package/lib/marked.umd.js > $(WEB_VENDOR)/marked.umd.js && \
+	sed '/^\/\/# sourceMappingURL=/d' $$tmp/dompurify/package/dist/purify.min.js > $(WEB_VENDOR)/purify.min.js && \
+	cp $$tmp/marked/package/LICENSE $(WEB_VENDOR)/LICENSE-marked.md && \
+	cp $$tmp/dompurify/package/LICENSE $(WEB_VENDOR)/LICENSE-dompurify.txt && \
+	rm -rf $$tmp && echo "marked $(MARKED_VERSION) and DOMPurify $(DOMPURIFY_VERSION) in $(WEB_VENDOR)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

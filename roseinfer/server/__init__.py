@@ -21,6 +21,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 routes (/health stays open)")
+    group.add_argument("--disable-web-ui", action="store_true",
+                       help="do not serve the chat page at / (it is on by default)")
     group.add_argument("--max-queue-len", type=int, default=None,
                        help="answer 503 at once when this many requests are already waiting")
     group.add_argument("--stats-interval", type=float, default=10.0, help="seconds between throughput log lines")
@@ -68,7 +70,7 @@ def run_server(args: argparse.Namespace) -> int:
                       stat_loggers=[LoggingStatLogger(args.stats_interval)])
     metrics = PrometheusStatLogger(engine.model_name, lambda: engine.scheduler_stats, lambda: engine.num_waiting)
     engine.stat_loggers.append(metrics)
-    app = create_app(engine, metrics, args.served_model_name, args.api_key)
+    app = create_app(engine, metrics, args.served_model_name, args.api_key, enable_web_ui=not args.disable_web_ui)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=args.shutdown_timeout,

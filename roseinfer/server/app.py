@@ -102,6 +102,7 @@ def create_app(
     metrics: PrometheusStatLogger,
     served_model_name: str | None = None,
     api_key: str | None = None,
+    enable_web_ui: bool = True,
 ) -> FastAPI:
     """The app over a started AsyncLLM (whose engine core runs beside the event loop); `metrics`
     is the stat logger the engine feeds."""
@@ -206,4 +207,8 @@ def create_app(
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    if enable_web_ui:  # the chat page at / (open to all; the page sends the API key itself)
+        from roseinfer.server.web_ui import add_web_ui
+
+        add_web_ui(app)
     return app

@@ -1,0 +1,50 @@
+// Keeps the conversation and the settings in this browser's localStorage, across reloads.
+
+const CONVERSATION_KEY = "roseinfer.chat.conversation";
+const SETTINGS_KEY = "roseinfer.chat.settings";
+
+export const DEFAULT_SETTINGS = Object.freeze({
+  systemPrompt: "",
+  temperature: "0.7",
+  topP: "",
+  maxTokens: "512",
+  seed: "",
+  apiKey: "",
+});
+
+function read(key) {
+  try {
+    return JSON.parse(localStorage.getItem(key) ?? "null");
+  } catch {
+    return null; // unreadable (hand-edited or from an older page): start afresh
+  }
+}
+
+// A conversation is {messages: [{role: "user" | "assistant", content, figures?, ended?}]}.
+export function loadConversation() {
+  const saved = read(CONVERSATION_KEY);
+  const messages = Array.isArray(saved?.messages) ? saved.messages : [];
+  return {
+    messages: messages.filter(
+      (m) => (m?.role === "user" || m?.role === "assistant") && typeof m.content === "string",
+    ),
+  };
+}
+
+export function saveConversation(conversation) {
+  localStorage.setItem(CONVERSATION_KEY, JSON.stringify(conversation));
+}
+
+// Settings are kept as the strings typed, so that a half-typed value survives a reload.
+export function loadSettings() {
+  const saved = read(SETTINGS_KEY) ?? {};
+  const settings = { ...DEFAULT_SETTINGS };
+  for (const name of Object.keys(settings)) {
+    if (typeof saved[name] === "string") settings[name] = saved[name];
+  }
+  return settings;
+}
+
+export function saveSettings(settings) {
+  localStorage.setItem(SETTINGS_KEY, JSON.stringify(settings));
+}
