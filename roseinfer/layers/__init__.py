@@ -1,0 +1,1 @@
+"""Building blocks of the models: paged attention, rotary embeddings, norms, linear kernels, C++ CPU kernels."""
