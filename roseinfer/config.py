@@ -15,6 +15,7 @@ from roseinfer.layers.linear import QUANTIZATION_METHODS
 logger = logging.getLogger("roseinfer")
 
 ATTENTION_BACKENDS = ("auto", "cpp", "torch")
+EXECUTOR_BACKENDS = ("uni", "mp")
 GIB = 1024**3
 
 _DTYPES = {
@@ -53,10 +54,12 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
 
-    def kv_block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one KV block takes across all layers, keys and values."""
+    def kv_block_bytes(self, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+        """Bytes one KV block takes across all layers, keys and values, on one rank (with tensor
+        parallelism a rank holds only its KV heads; the rank with the most of them counts)."""
         element = torch.tensor([], dtype=dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element
+        heads = -(-self.num_kv_heads // tensor_parallel_size)
+        return 2 * self.num_layers * block_size * heads * self.head_dim * element
 
     @property
     def context_length(self) -> int:
@@ -88,6 +91,15 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | cpp (compiled CPU decode kernel) | torch (SDPA)
     seed: int = 0
     served_model_name: str | None = None
+    # Tensor parallelism (see roseinfer/distributed/): ranks, the executor that runs them, and
+    # where they meet when they span hosts (torch.distributed's usual rendezvous settings).
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: "uni" for one rank, else "mp"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None on one host: a free port
+    cpu_threads_bind: str = "auto"  # auto | none | core lists per local rank, e.g. "0-3|4-7"
 
     DEFAULT_KV_CACHE_GIB = 2.0
 
@@ -118,13 +130,51 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_METHODS:
             raise bad("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
         self.torch_device  # noqa: B018 - validates the device string early
+        self._check_distributed()
+
+    def _check_distributed(self) -> None:
+        def bad(param: str, message: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param} {message}", param=param)
+
+        if self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", f"must be at least 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise bad("distributed_executor_backend",
+                      f"must be one of {', '.join(EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise bad("distributed_executor_backend",
+                      "'uni' runs one rank in the engine's own process; tensor_parallel_size > 1 needs 'mp'")
+        if self.nnodes < 1:
+            raise bad("nnodes", f"must be at least 1, got {self.nnodes}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise bad("nnodes", f"{self.nnodes} hosts cannot share {self.tensor_parallel_size} ranks evenly")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise bad("node_rank", f"must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise bad("master_port", "is required when the ranks span several hosts (nnodes > 1)")
+        if self.master_port is not None and not 0 < self.master_port < 65534:
+            raise bad("master_port", f"must be a TCP port below 65534 (it and the next two are used), got {self.master_port}")
+        from roseinfer.distributed.cpu_binding import parse_cpu_binding
+
+        parse_cpu_binding(self.cpu_threads_bind)  # raises on a malformed list
+
+    @property
+    def executor_backend(self) -> str:
+        """The executor that runs the model: "uni" (in the engine's process) or "mp" (worker
+        processes, one per tensor-parallel rank)."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.tensor_parallel_size > 1 else "uni"
 
     def resolve(self, model_config: ModelConfig) -> None:
         """Fill in what depends on the model: the KV pool's block count and `max_model_len`
         (the model's context, or less when asked or when the pool cannot hold it)."""
+        from roseinfer.distributed.partition import check_tensor_parallel
+
+        check_tensor_parallel(model_config, self.tensor_parallel_size)
         if self.num_kv_blocks is None:
             gib = self.kv_cache_memory or self.DEFAULT_KV_CACHE_GIB
-            per_block = model_config.kv_block_bytes(self.block_size, self.torch_dtype)
+            per_block = model_config.kv_block_bytes(self.block_size, self.torch_dtype, self.tensor_parallel_size)
             self.num_kv_blocks = int(gib * GIB // per_block)
             if self.num_kv_blocks < 1:
                 raise InvalidRequestError(
@@ -188,7 +238,8 @@ class EngineConfig:
 ENGINE_ARG_NAMES = (
     "model", "tokenizer", "device", "dtype", "quantization", "block_size", "kv_cache_memory",
     "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
-    "attention_backend",
+    "attention_backend", "tensor_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
+    "master_addr", "master_port", "cpu_threads_bind",
 )
 
 
@@ -223,3 +274,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "auto (cpp on the CPU when it builds)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the KV cache of prompt prefixes computed before (default: on)")
+
+    parallel = parser.add_argument_group("tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA)")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                          help="ranks the model is sharded over, one worker process each (default 1)")
+    parallel.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default=None,
+                          help="uni: the model in the engine's process; mp: worker processes "
+                               "(default: uni for one rank, mp for more)")
+    parallel.add_argument("--nnodes", type=int, default=1, help="hosts the ranks span (default 1)")
+    parallel.add_argument("--node-rank", type=int, default=0,
+                          help="this host's index; host 0 runs the engine and the server, the others "
+                               "only their ranks' workers (default 0)")
+    parallel.add_argument("--master-addr", default="127.0.0.1",
+                          help="address of host 0, where the ranks meet (default 127.0.0.1)")
+    parallel.add_argument("--master-port", type=int, default=None,
+                          help="torch.distributed's rendezvous port on host 0; the next two ports carry "
+                               "the engine's messages to remote workers (default: a free port, one host only)")
+    parallel.add_argument("--cpu-threads-bind", default="auto",
+                          help="CPU cores of each local rank: auto (split this process's cores evenly), "
+                               "none, or one list per rank, e.g. '0-3|4-7' (default auto)")

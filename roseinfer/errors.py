@@ -27,3 +27,7 @@ class EngineDeadError(RoseInferError):
 
 class EngineOverloadedError(RoseInferError):
     """More requests are waiting than the admission limit allows; retry later."""
+
+
+class ExecutorFailedError(EngineDeadError):
+    """A model worker died or raised: the engine cannot run another step."""

@@ -24,6 +24,7 @@ from roseinfer.core.messages import (
     ModelRunnerOutput,
 )
 from roseinfer.core.scheduler import Scheduler
+from roseinfer.errors import EngineDeadError, ExecutorFailedError
 from roseinfer.executor import Executor, executor_class
 from roseinfer.request import Request, RequestStatus
 from roseinfer.step_timings import PhaseClock, StepTimings
@@ -39,10 +40,13 @@ class EngineCore:
         self.executor = executor or executor_class(config)(config, model_config, self.timings)
         self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.dead_reason: str | None = None  # set when the executor failed: no step can run again
         logger.debug("engine core ready in %.1fs", time.perf_counter() - started)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine cannot run requests: {self.dead_reason}")
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
@@ -66,6 +70,8 @@ class EngineCore:
         else:
             try:
                 runner_output = self.executor.execute_model(scheduler_output)
+            except ExecutorFailedError as exc:  # a worker is gone: nothing can run any more
+                return self.fail_all(str(exc))
             except Exception as exc:  # keep serving the requests that were not in this step
                 logger.exception("model step failed; ending the %d requests in it",
                                  len(scheduler_output.num_scheduled_tokens))
@@ -76,6 +82,12 @@ class EngineCore:
         if not scheduler_output.empty:
             self.timings.steps += 1
         return outputs
+
+    def fail_all(self, reason: str) -> EngineCoreOutputs:
+        """The executor failed: end every request with an error and refuse new ones."""
+        logger.error("the executor failed (%s); ending all %d requests", reason, len(self.scheduler.requests))
+        self.dead_reason = reason
+        return self._fail(list(self.scheduler.requests), reason)
 
     def _fail(self, request_ids: Iterable[str], message: str) -> EngineCoreOutputs:
         failed = self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ERROR)

@@ -18,6 +18,8 @@ from torch import nn
 
 from roseinfer.config import EngineConfig, ModelConfig
 from roseinfer.core.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from roseinfer.distributed.parallel_state import get_tp_group
+from roseinfer.distributed.partition import partition
 from roseinfer.errors import InvalidRequestError
 from roseinfer.layers.attention import (
     AttentionMetadata,
@@ -93,9 +95,12 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.vocab_size = model_config.vocab_size
         self.timings = timings or StepTimings()
-        # One pool per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim]. Zeroed, because
-        # padded attention reads unused slots and NaN garbage there would leak through the mask.
-        shape = (2, config.num_kv_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
+        # One pool per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim], with only this
+        # rank's KV heads under tensor parallelism. Zeroed, because padded attention reads unused
+        # slots and NaN garbage there would leak through the mask.
+        tp = get_tp_group()
+        kv_heads = partition(model_config.num_kv_heads, tp.size, tp.rank)[1]
+        shape = (2, config.num_kv_blocks, self.block_size, kv_heads, model_config.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_config.num_layers)
         ]
@@ -106,6 +111,9 @@ class ModelRunner:
     # -- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if scheduler_output.empty:  # nothing to run; only forget the finished requests
+            self.update_states(scheduler_output)
+            return ModelRunnerOutput()
         clock = PhaseClock(self.timings)
         inputs = self.prepare_inputs(scheduler_output)
         clock.lap("prepare")
@@ -115,14 +123,16 @@ class ModelRunner:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         clock.lap("forward")
+        if logits is None:  # a tensor-parallel rank other than the first: rank 0 samples
+            return ModelRunnerOutput()
         output = self.sample(logits, inputs.sampling)
         clock.lap("sample")
         return output
 
     @torch.inference_mode()
-    def compute_logits(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
+    def compute_logits(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor | None, list[str]]:
         """Run a step and return the raw logits of its sampled rows and their request ids (for
-        tests and debugging; nothing is sampled)."""
+        tests and debugging; nothing is sampled). Under tensor parallelism only rank 0 gets them."""
         inputs = self.prepare_inputs(scheduler_output)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
