@@ -43,6 +43,7 @@ class LocalWorkers:
                 rank=rank, world_size=layout.world_size, local_index=index, local_world=layout.local_world,
                 cores=cores[index], broadcast_address=broadcast_address, reply_address=reply_address,
                 init_method=layout.backend_init_method, log_level=logging.getLogger().getEffectiveLevel(),
+                master_addr=layout.master_addr if layout.multi_host else None,
             )
             process = subprocess.Popen([sys.executable, "-m", "roseinfer.worker", spec.to_json()], env=environment)
             self.processes.append(process)
@@ -131,3 +132,11 @@ def run_worker_host(config: EngineConfig) -> int:
             failed = 1
     workers.stop(timeout=0)
     return failed
+
+
+def run_worker_host_if_asked(config: EngineConfig) -> int | None:
+    """On a host other than host 0 (`--node-rank N`, or a non-zero rank under torchrun): run this
+    host's workers until host 0's engine stops, and return the exit code; None on host 0."""
+    if distributed_layout(config).runs_engine:
+        return None
+    return run_worker_host(config)

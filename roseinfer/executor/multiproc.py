@@ -12,6 +12,7 @@ is idle). Either way the executor kills the remaining local workers and raises
 
 from __future__ import annotations
 
+import atexit
 import logging
 import tempfile
 import threading
@@ -69,6 +70,7 @@ class MultiprocExecutor(Executor):
             self._close()
             raise
         threading.Thread(target=self._watch, name="tp-worker-watcher", daemon=True).start()
+        atexit.register(self.shutdown)  # an engine nobody shut down still stops its workers in order
 
     def _start(self, config: EngineConfig, model_config: ModelConfig) -> None:
         started = time.monotonic()
@@ -162,6 +164,7 @@ class MultiprocExecutor(Executor):
         if self._stopping:
             return
         self._stopping = True
+        atexit.unregister(self.shutdown)
         if self.dead_reason is None:
             try:
                 self.channels.send(("shutdown", None))

@@ -59,9 +59,13 @@ def run_server(args: argparse.Namespace) -> int:
     from roseinfer.engine.async_llm import AsyncLLM
     from roseinfer.engine.stats import LoggingStatLogger
     from roseinfer.errors import RoseInferError
+    from roseinfer.executor.local_workers import run_worker_host_if_asked
     from roseinfer.server.app import create_app
     from roseinfer.server.metrics import PrometheusStatLogger
 
+    exit_code = run_worker_host_if_asked(EngineConfig.from_cli_args(args))
+    if exit_code is not None:  # a host without the engine: only its tensor-parallel workers ran
+        return exit_code
     if args.max_queue_len is not None and args.max_queue_len < 1:
         raise RoseInferError(f"--max-queue-len must be at least 1, got {args.max_queue_len}")
     config = EngineConfig.from_cli_args(args)

@@ -28,6 +28,7 @@ import torch
 from roseinfer.config import EngineConfig, ModelConfig
 from roseinfer.core.messages import ModelRunnerOutput, SchedulerOutput
 from roseinfer.distributed.cpu_binding import apply_cpu_binding
+from roseinfer.distributed.network import choose_gloo_interface
 from roseinfer.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from roseinfer.executor.channel import EngineGoneError, WorkerChannels
 from roseinfer.models.loader import load_model_weights
@@ -51,6 +52,7 @@ class WorkerSpec:
     broadcast_address: str
     reply_address: str
     init_method: str  # torch.distributed's rendezvous
+    master_addr: str | None = None  # host 0, when the ranks span hosts
     log_level: int = logging.INFO
 
     def to_json(self) -> str:
@@ -68,6 +70,8 @@ class Worker:
             torch.cuda.set_device(spec.local_index)
             config.device = f"cuda:{spec.local_index}"
         backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
+        if backend == "gloo" and spec.master_addr is not None:
+            choose_gloo_interface(spec.master_addr)
         init_tensor_parallel(spec.rank, spec.world_size, backend, spec.init_method)
         torch.manual_seed(config.seed)  # as the in-process executor does; only rank 0 samples
         self.runner = ModelRunner(load_model_weights(config, model_config), model_config, config)
