@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # `serve -dp N` starts replicas with it
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(levelname)s %(asctime)s %(name)s: %(message)s",

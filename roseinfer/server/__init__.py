@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import signal
+import sys
 from collections.abc import Iterator
 
 logger = logging.getLogger("roseinfer.server")
@@ -31,6 +32,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--engine-core", choices=("thread", "process"), default=DEFAULT_ENGINE_CORE,
                        help="run the engine core in a background thread of the server process, or in a "
                             f"process of its own (ZeroMQ + msgpack) (default: {DEFAULT_ENGINE_CORE})")
+    from roseinfer.server.data_parallel import add_data_parallel_args
+
+    add_data_parallel_args(parser)
 
 
 def _server_class():
@@ -63,6 +67,10 @@ def run_server(args: argparse.Namespace) -> int:
     from roseinfer.server.app import create_app
     from roseinfer.server.metrics import PrometheusStatLogger
 
+    if args.data_parallel_size > 1:
+        from roseinfer.server.data_parallel import run_data_parallel
+
+        return run_data_parallel(args, getattr(args, "argv", sys.argv[1:]))
     exit_code = run_worker_host_if_asked(EngineConfig.from_cli_args(args))
     if exit_code is not None:  # a host without the engine: only its tensor-parallel workers ran
         return exit_code
@@ -72,7 +80,10 @@ def run_server(args: argparse.Namespace) -> int:
     config.served_model_name = args.served_model_name
     engine = AsyncLLM(config, engine_core=args.engine_core, max_queue_len=args.max_queue_len,
                       stat_loggers=[LoggingStatLogger(args.stats_interval)])
-    metrics = PrometheusStatLogger(engine.model_name, lambda: engine.scheduler_stats, lambda: engine.num_waiting)
+    metrics = PrometheusStatLogger(
+        engine.model_name, lambda: engine.scheduler_stats, lambda: engine.num_waiting,
+        cache_config={"block_size": engine.config.block_size, "num_gpu_blocks": engine.config.num_kv_blocks},
+    )
     engine.stat_loggers.append(metrics)
     app = create_app(engine, metrics, args.served_model_name, args.api_key, enable_web_ui=not args.disable_web_ui)
     config = uvicorn.Config(

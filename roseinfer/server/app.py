@@ -1,7 +1,7 @@
 """The HTTP server: FastAPI routes, OpenAI-style errors, API keys, and `roseinfer serve`.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /generate (the seed's), GET /metrics (Prometheus).
+POST /generate (the seed's), GET /metrics (Prometheus), GET /get_load (for load balancers).
 """
 
 from __future__ import annotations
@@ -174,6 +174,13 @@ def create_app(
         if not engine.alive:
             return error_response(503, "the engine loop is not running")
         return JSONResponse({"status": "ok"})
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """Requests in flight (running and waiting): what a router's least-load policy compares
+        (vllm-router's and sglang-router's power_of_two poll this route)."""
+        return JSONResponse({"load": engine.num_running + engine.num_waiting,
+                             "num_running": engine.num_running, "num_waiting": engine.num_waiting})
 
     @app.get("/v1/models", dependencies=[Depends(check_api_key)])
     async def models() -> ModelList:
