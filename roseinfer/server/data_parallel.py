@@ -31,7 +31,12 @@ from roseinfer.errors import RoseInferError
 
 logger = logging.getLogger("roseinfer.server")
 
-ROUTERS = ("vllm-router",)
+# The routers it can start (PyPI packages; vllm-router is a dependency, sglang-router optional).
+# Both are Rust load balancers of the same lineage; vllm-router is the default: it needs nothing of a
+# request that the OpenAI API leaves optional (sglang-router 0.3 refuses a completion without
+# `model`) and it measured level or ahead at 64 streams (README, "Scaling").
+ROUTERS = ("vllm-router", "sglang-router")
+_ROUTER_SUBCOMMAND = {"vllm-router": [], "sglang-router": ["launch"]}
 ROUTER_POLICIES = ("power_of_two", "round_robin", "cache_aware", "consistent_hash", "random")
 DEFAULT_ROUTER_POLICY = "power_of_two"
 _LAUNCHER_FLAGS = ("--data-parallel-size", "--data-parallel-base-port", "--router", "--router-policy",
@@ -126,7 +131,7 @@ class DataParallelLauncher:
     def start_router(self) -> None:
         args = self.args
         command = [
-            self.router_binary, "--host", args.host, "--port", str(args.port),
+            self.router_binary, *_ROUTER_SUBCOMMAND[args.router], "--host", args.host, "--port", str(args.port),
             "--worker-urls", *[f"http://127.0.0.1:{port}" for port in self.ports],
             "--policy", args.router_policy,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
