@@ -6,7 +6,7 @@ import argparse
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from roseinfer.bench import compare, offline, prefix_cache, quality, serve
+    from roseinfer.bench import compare, offline, prefix_cache, quality, serve, structured
 
     bench = commands.add_parser("bench", help="benchmarks (offline throughput, ...)")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -15,3 +15,4 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_parser(kinds)
     prefix_cache.add_parser(kinds)
     compare.add_parser(kinds)
+    structured.add_parser(kinds)

@@ -115,7 +115,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         clock.lap("forward")
-        output = self.sample(logits, inputs.sampling)
+        output = self.sample(logits, inputs.sampling, scheduler_output)
         clock.lap("sample")
         return output
 
@@ -216,8 +216,15 @@ class ModelRunner:
             cache[:, dst] = cache[:, src]
 
     # -- sampling -------------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> ModelRunnerOutput:
+    def sample(
+        self, logits: torch.Tensor, states: list[CachedRequestState], scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput:
         batch = self._sampling_batch(states)
+        if scheduler_output.grammar_bitmask is not None:
+            rows = scheduler_output.structured_output_request_ids
+            pairs = [(row, rows[s.req_id]) for row, s in enumerate(states) if s.req_id in rows]
+            batch.bitmask_rows = [logits_row for logits_row, _ in pairs]
+            batch.bitmask = torch.from_numpy(scheduler_output.grammar_bitmask[[mask_row for _, mask_row in pairs]])
         out = self.sampler(logits, batch)
         token_ids = out.token_ids.tolist()
         logprobs = None
@@ -257,6 +264,12 @@ class ModelRunner:
             p = state.sampling_params
             if state.num_output_tokens < p.min_tokens:
                 batch.banned.append((row, sorted(set(p.stop_token_ids) | set(state.eos_token_ids))))
+        if any(p.logit_bias for p in params):
+            entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in (p.logit_bias or {}).items()]
+            rows, tokens, biases = zip(*entries, strict=True)
+            batch.logit_bias = (self._tensor(np.asarray(rows, dtype=np.int64)),
+                                self._tensor(np.asarray(tokens, dtype=np.int64)),
+                                torch.tensor(biases, dtype=torch.float32, device=device))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
             batch.max_logprobs = max(wanted)
