@@ -44,6 +44,18 @@ def decode_kernel_for(attention_backend: str, device: torch.device) -> DecodeKer
     return kernels.paged_decode_attention if kernels is not None else None
 
 
+def zeroed_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose memory is only committed where it is written (the KV pool: padded
+    attention reads unused slots, so they must hold zeros, not NaN garbage). On the CPU calloc's
+    fresh pages are zero without being touched, so a large pool costs nothing until used; torch.zeros
+    would write every page at start."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    raw = np.zeros(shape[:-1] + (shape[-1] * itemsize,), dtype=np.uint8)  # calloc
+    return torch.from_numpy(raw).view(dtype)
+
+
 class CachedRequestState:
     """What the runner keeps of a request between steps."""
 
@@ -93,12 +105,9 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.vocab_size = model_config.vocab_size
         self.timings = timings or StepTimings()
-        # One pool per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim]. Zeroed, because
-        # padded attention reads unused slots and NaN garbage there would leak through the mask.
+        # One pool per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim].
         shape = (2, config.num_kv_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_config.num_layers)
-        ]
+        self.kv_caches = [zeroed_untouched(shape, self.dtype, self.device) for _ in range(model_config.num_layers)]
         self.sampler = Sampler()
         self.decode_kernel = decode_kernel_for(config.attention_backend, self.device)
         self.requests: dict[str, CachedRequestState] = {}
