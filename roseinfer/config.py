@@ -167,19 +167,14 @@ class EngineConfig:
         return "mp" if self.tensor_parallel_size > 1 else "uni"
 
     def resolve(self, model_config: ModelConfig) -> None:
-        """Fill in what depends on the model: the KV pool's block count and `max_model_len`
-        (the model's context, or less when asked or when the pool cannot hold it)."""
+        """Fill in what depends on the model: `max_model_len` (the model's context, or less when
+        asked or when the pool cannot hold it) and the KV pool's block count: what the
+        configuration can use at once (max_num_seqs sequences of max_model_len tokens), capped by
+        --kv-cache-memory (per rank under tensor parallelism). The pool's memory is committed only
+        as blocks are first written."""
         from roseinfer.distributed.partition import check_tensor_parallel
 
         check_tensor_parallel(model_config, self.tensor_parallel_size)
-        if self.num_kv_blocks is None:
-            gib = self.kv_cache_memory or self.DEFAULT_KV_CACHE_GIB
-            per_block = model_config.kv_block_bytes(self.block_size, self.torch_dtype, self.tensor_parallel_size)
-            self.num_kv_blocks = int(gib * GIB // per_block)
-            if self.num_kv_blocks < 1:
-                raise InvalidRequestError(
-                    f"kv_cache_memory {gib} GiB holds no block of {per_block} bytes", "kv_cache_memory"
-                )
         context = model_config.context_length
         if self.max_model_len is not None and self.max_model_len > context:
             raise InvalidRequestError(
@@ -187,6 +182,16 @@ class EngineConfig:
                 "max_model_len",
             )
         length = self.max_model_len or context
+        if self.num_kv_blocks is None:
+            gib = self.kv_cache_memory or self.DEFAULT_KV_CACHE_GIB
+            per_block = model_config.kv_block_bytes(self.block_size, self.torch_dtype, self.tensor_parallel_size)
+            budget = int(gib * GIB // per_block)
+            if budget < 1:
+                raise InvalidRequestError(
+                    f"kv_cache_memory {gib} GiB holds no block of {per_block} bytes", "kv_cache_memory"
+                )
+            usable = self.max_num_seqs * -(-length // self.block_size)
+            self.num_kv_blocks = min(budget, usable)
         capacity = self.num_kv_blocks * self.block_size
         if capacity < length:
             logger.warning(
@@ -263,7 +268,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "dynamic-int8 (int8 weights and activations); CPU only")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                       help=f"memory for the KV cache in GiB (default {EngineConfig.DEFAULT_KV_CACHE_GIB:g})")
+                       help="most memory for the KV cache in GiB (default "
+                            f"{EngineConfig.DEFAULT_KV_CACHE_GIB:g}; less when max-num-seqs x max-model-len "
+                            "needs less; committed only as it is used)")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
     group.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,

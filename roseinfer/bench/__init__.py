@@ -6,7 +6,7 @@ import argparse
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from roseinfer.bench import compare, offline, prefix_cache, quality, scale, serve
+    from roseinfer.bench import compare, offline, prefix_cache, quality, scale, serve, structured
 
     bench = commands.add_parser("bench", help="benchmarks (offline throughput, ...)")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -16,3 +16,4 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     prefix_cache.add_parser(kinds)
     compare.add_parser(kinds)
     scale.add_parser(kinds)
+    structured.add_parser(kinds)

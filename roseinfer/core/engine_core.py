@@ -11,6 +11,7 @@ its own (AsyncLLM, see core_client.py and engine_core_proc.py).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Iterable
@@ -24,6 +25,7 @@ from roseinfer.core.messages import (
     ModelRunnerOutput,
 )
 from roseinfer.core.scheduler import Scheduler
+from roseinfer.core.structured_output_manager import StructuredOutputManager
 from roseinfer.errors import EngineDeadError, ExecutorFailedError
 from roseinfer.executor import Executor, executor_class
 from roseinfer.request import Request, RequestStatus
@@ -39,7 +41,10 @@ class EngineCore:
         started = time.perf_counter()
         self.executor = executor or executor_class(config)(config, model_config, self.timings)
         self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.structured_output_manager = StructuredOutputManager(config, model_config)
+        self.scheduler = Scheduler(
+            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.structured_output_manager
+        )
         self.dead_reason: str | None = None  # set when the executor failed: no step can run again
         logger.debug("engine core ready in %.1fs", time.perf_counter() - started)
 
@@ -67,6 +72,10 @@ class EngineCore:
         clock.lap("schedule")
         if scheduler_output.empty:
             runner_output = ModelRunnerOutput()
+            pending = self.scheduler.waiting_for_grammars()
+            if pending and not self.scheduler.running:  # nothing can run until one compiles
+                concurrent.futures.wait([r.grammar_future for r in pending], timeout=0.05,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
         else:
             try:
                 runner_output = self.executor.execute_model(scheduler_output)
@@ -96,3 +105,4 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.structured_output_manager.shutdown()

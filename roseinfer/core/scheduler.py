@@ -26,13 +26,21 @@ from roseinfer.core.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+from roseinfer.core.structured_output_manager import StructuredOutputManager
 from roseinfer.outputs import TokenLogprob
 from roseinfer.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        structured_output_manager: StructuredOutputManager | None = None,
+    ) -> None:
         self.kv_cache = kv_cache
+        self.structured_output = structured_output_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -42,7 +50,9 @@ class Scheduler:
         # blocks (parent request id -> siblings) instead of computing the same prompt again.
         self._awaiting_fork: dict[str, list[Request]] = {}
         self._finished_req_ids: list[str] = []  # the runner knew them; told at the next schedule
+        self._error_outputs: list[EngineCoreOutput] = []  # ended while scheduling (a bad grammar)
         self._preempted_this_step = False
+        self._unschedulable: Request | None = None  # found too big for the whole pool this step
         self.stats = SchedulerStats()
 
     # -- queues ---------------------------------------------------------------------------
@@ -53,6 +63,10 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("this scheduler has no structured-output manager")
+            self.structured_output.add_request(request)
         parent = self.requests.get(request.fork_of) if request.fork_of is not None else None
         if parent is not None and parent.status == RequestStatus.WAITING and not parent.num_computed_tokens:
             self._awaiting_fork.setdefault(parent.request_id, []).append(request)
@@ -110,6 +124,7 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         budget = self.max_num_batched_tokens
         self._preempted_this_step = False
+        self._unschedulable = None
 
         # Running requests first, oldest first; preempt from the newest end when blocks run out.
         index = 0
@@ -122,14 +137,27 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        # Then waiting requests, in arrival order, while seats, budget and blocks allow.
+        # Then waiting requests, in arrival order, while seats, budget and blocks allow; a request
+        # whose grammar is still compiling is passed over, keeping its place in the queue.
         # After a preemption nothing new is admitted: the pool is already too tight.
+        passed_over: list[Request] = []
         while not self._preempted_this_step and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             request = self.waiting[0]
+            if self.structured_output is not None and not self.structured_output.is_ready(request):
+                passed_over.append(self.waiting.popleft())
+                continue
+            if request.grammar_error is not None:
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                self._error_outputs.append(EngineCoreOutput(
+                    request.request_id, [], finish_reason="error", error=request.grammar_error
+                ))
+                continue
             cached = self.kv_cache.find_cached_prefix(request.token_ids)
             num_cached = len(cached) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(request.request_id, num_cached, num_new, cached):
+                if not self.running:  # nothing will ever free blocks for it
+                    self._unschedulable = request
                 break
             self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
@@ -140,6 +168,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(passed_over))
 
         return self._scheduler_output(scheduled)
 
@@ -162,10 +191,15 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def stuck_request(self) -> Request | None:
-        """A waiting request that can never run: nothing is running to free blocks for it."""
-        if self.waiting and not self.running:
-            return self.waiting[0]
+        """A waiting request that can never run: the last schedule found no room for it with
+        nothing running that could free blocks."""
+        request = self._unschedulable
+        if request is not None and request.status == RequestStatus.WAITING and not self.running:
+            return request
         return None
+
+    def waiting_for_grammars(self) -> list[Request]:
+        return [r for r in self.waiting if r.grammar_future is not None and not r.grammar_future.done()]
 
     def _scheduler_output(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
@@ -197,6 +231,9 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = num_new
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.blocks_to_copy = [(c.src, c.dst) for c in self.kv_cache.take_pending_copies()]
+        if self.structured_output is not None:
+            sampling = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]
+            out.grammar_bitmask, out.structured_output_request_ids = self.structured_output.bitmask(sampling)
         if scheduled:
             stats = self.stats
             stats.num_steps += 1
@@ -210,7 +247,7 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Record the computed tokens, append the samples, stop and free finished requests."""
         sampled = {req_id: row for row, req_id in enumerate(runner_output.req_ids)}
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._error_outputs = self._error_outputs, []
         stuck = self.stuck_request() if scheduler_output.empty else None
         if stuck is not None:  # it ends with an error instead of stalling the engine
             self._finish(stuck, RequestStatus.FINISHED_ERROR)
@@ -238,13 +275,19 @@ class Scheduler:
         params = request.sampling_params
         appended = 0
         status = None
+        error = None
         for token_id in token_ids:
             request.token_ids.append(token_id)
             appended += 1
-            if token_id in request.eos_token_ids and not params.ignore_eos:
+            grammar = request.grammar
+            if grammar is not None and not grammar.accept_tokens([token_id]):
+                status, error = RequestStatus.FINISHED_ERROR, f"structured output: {grammar.error}"
+            elif token_id in request.eos_token_ids and not params.ignore_eos:
                 status = RequestStatus.FINISHED_STOPPED
             elif token_id in params.stop_token_ids:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+            elif grammar is not None and grammar.is_terminated():  # the output is complete
+                status = RequestStatus.FINISHED_STOPPED
             elif request.num_output_tokens >= request.max_tokens:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
@@ -255,10 +298,11 @@ class Scheduler:
             logprobs[:appended] if logprobs is not None else None,
             num_cached_tokens=request.num_cached_tokens,
             first_scheduled_time=request.first_scheduled_time,
+            grammar_compile_time=request.grammar_compile_time,
         )
         if status is not None:
             self._finish(request, status)
-            output.finish_reason, output.stop_reason = status.value, request.stop_reason
+            output.finish_reason, output.stop_reason, output.error = status.value, request.stop_reason, error
         return output
 
     def _fork_siblings(self, parent: Request) -> None:

@@ -16,12 +16,18 @@ DEFAULT_ENGINE_CORE = "thread"
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
+    from roseinfer.tool_parsers import TOOL_PARSERS
+
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     group.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     group.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 routes (/health stays open)")
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help='how the model writes tool calls, for tool_choice "auto" (hermes: Qwen2.5/Qwen3\'s '
+                            '<tool_call> JSON; llama3_json: Llama 3\'s JSON); "required" and named tool choices '
+                            "need none")
     group.add_argument("--disable-web-ui", action="store_true",
                        help="do not serve the chat page at / (it is on by default)")
     group.add_argument("--max-queue-len", type=int, default=None,
@@ -85,7 +91,8 @@ def run_server(args: argparse.Namespace) -> int:
         cache_config={"block_size": engine.config.block_size, "num_gpu_blocks": engine.config.num_kv_blocks},
     )
     engine.stat_loggers.append(metrics)
-    app = create_app(engine, metrics, args.served_model_name, args.api_key, enable_web_ui=not args.disable_web_ui)
+    app = create_app(engine, metrics, args.served_model_name, args.api_key, enable_web_ui=not args.disable_web_ui,
+                     tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=args.shutdown_timeout,

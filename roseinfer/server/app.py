@@ -28,6 +28,7 @@ from roseinfer.errors import (
 )
 from roseinfer.server.metrics import CONTENT_TYPE, PrometheusStatLogger
 from roseinfer.server.protocol import (
+    UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorInfo,
@@ -58,9 +59,17 @@ class ApiError(Exception):
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
+    # Unknown fields first: they explain the other errors a misspelt field causes.
+    errors = sorted(errors, key=lambda e: e.get("type") != "extra_forbidden")
     first = errors[0] if errors else {}
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
+    if first.get("type") == "extra_forbidden":
+        name = location[-1] if location else "?"
+        if len(location) == 1 and name in UNSUPPORTED_FIELDS:
+            return f"{name}: not supported by this server: {UNSUPPORTED_FIELDS[name]}", param
+        return (f"unknown field {param!r}: neither the OpenAI API nor vLLM's extensions define it here "
+                "(see the README for the accepted fields)"), param
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     if first.get("type") == "missing":
@@ -103,11 +112,12 @@ def create_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     enable_web_ui: bool = True,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The app over a started AsyncLLM (whose engine core runs beside the event loop); `metrics`
     is the stat logger the engine feeds."""
     model_name = served_model_name or engine.model_name
-    serving = OpenAIServing(engine, model_name)
+    serving = OpenAIServing(engine, model_name, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -197,7 +207,8 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        submitted = await serving.submit("/v1/chat/completions", "chatcmpl", serving.chat_requests(body), body.n)
+        requests, tool_calling = serving.chat_requests(body)
+        submitted = await serving.submit("/v1/chat/completions", "chatcmpl", requests, body.n, tool_calling)
         if body.stream:
             return StreamingResponse(serving.chat_stream(body, submitted), media_type="text/event-stream")
         return await _unless_disconnected(request, serving.chat(body, submitted))

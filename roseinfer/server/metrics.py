@@ -90,6 +90,10 @@ class PrometheusStatLogger:
             "roseinfer:request_success", "Requests finished, by finish reason.",
             labelnames=["model_name", "finished_reason"], registry=self.registry,
         )
+        self.structured_output_requests = Counter(
+            "roseinfer:structured_output_requests", "Finished requests with a structured output, by kind.",
+            labelnames=["model_name", "kind"], registry=self.registry,
+        )
         self.time_to_first_token = Histogram(
             "roseinfer:time_to_first_token_seconds", "Time from arrival to the first token.",
             buckets=_LATENCY_BUCKETS, **labels,
@@ -119,6 +123,8 @@ class PrometheusStatLogger:
         for finished in iteration_stats.finished_requests:
             for reason in finished.finish_reasons:
                 self.request_success.labels(self._model, reason).inc()
+            if finished.structured_output_kind is not None:
+                self.structured_output_requests.labels(self._model, finished.structured_output_kind).inc()
             self.e2e_latency.observe(finished.e2e_latency)
             if finished.queue_time is not None:
                 self.queue_time.observe(finished.queue_time)

@@ -46,6 +46,18 @@ def decode_kernel_for(attention_backend: str, device: torch.device) -> DecodeKer
     return kernels.paged_decode_attention if kernels is not None else None
 
 
+def zeroed_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose memory is only committed where it is written (the KV pool: padded
+    attention reads unused slots, so they must hold zeros, not NaN garbage). On the CPU calloc's
+    fresh pages are zero without being touched, so a large pool costs nothing until used; torch.zeros
+    would write every page at start."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    raw = np.zeros(shape[:-1] + (shape[-1] * itemsize,), dtype=np.uint8)  # calloc
+    return torch.from_numpy(raw).view(dtype)
+
+
 class CachedRequestState:
     """What the runner keeps of a request between steps."""
 
@@ -96,14 +108,11 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
         self.timings = timings or StepTimings()
         # One pool per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim], with only this
-        # rank's KV heads under tensor parallelism. Zeroed, because padded attention reads unused
-        # slots and NaN garbage there would leak through the mask.
+        # rank's KV heads under tensor parallelism.
         tp = get_tp_group()
         kv_heads = partition(model_config.num_kv_heads, tp.size, tp.rank)[1]
         shape = (2, config.num_kv_blocks, self.block_size, kv_heads, model_config.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_config.num_layers)
-        ]
+        self.kv_caches = [zeroed_untouched(shape, self.dtype, self.device) for _ in range(model_config.num_layers)]
         self.sampler = Sampler()
         self.decode_kernel = decode_kernel_for(config.attention_backend, self.device)
         self.requests: dict[str, CachedRequestState] = {}
@@ -125,7 +134,7 @@ class ModelRunner:
         clock.lap("forward")
         if logits is None:  # a tensor-parallel rank other than the first: rank 0 samples
             return ModelRunnerOutput()
-        output = self.sample(logits, inputs.sampling)
+        output = self.sample(logits, inputs.sampling, scheduler_output)
         clock.lap("sample")
         return output
 
@@ -226,8 +235,15 @@ class ModelRunner:
             cache[:, dst] = cache[:, src]
 
     # -- sampling -------------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> ModelRunnerOutput:
+    def sample(
+        self, logits: torch.Tensor, states: list[CachedRequestState], scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput:
         batch = self._sampling_batch(states)
+        if scheduler_output.grammar_bitmask is not None:
+            rows = scheduler_output.structured_output_request_ids
+            pairs = [(row, rows[s.req_id]) for row, s in enumerate(states) if s.req_id in rows]
+            batch.bitmask_rows = [logits_row for logits_row, _ in pairs]
+            batch.bitmask = torch.from_numpy(scheduler_output.grammar_bitmask[[mask_row for _, mask_row in pairs]])
         out = self.sampler(logits, batch)
         token_ids = out.token_ids.tolist()
         logprobs = None
@@ -267,6 +283,12 @@ class ModelRunner:
             p = state.sampling_params
             if state.num_output_tokens < p.min_tokens:
                 batch.banned.append((row, sorted(set(p.stop_token_ids) | set(state.eos_token_ids))))
+        if any(p.logit_bias for p in params):
+            entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in (p.logit_bias or {}).items()]
+            rows, tokens, biases = zip(*entries, strict=True)
+            batch.logit_bias = (self._tensor(np.asarray(rows, dtype=np.int64)),
+                                self._tensor(np.asarray(tokens, dtype=np.int64)),
+                                torch.tensor(biases, dtype=torch.float32, device=device))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
             batch.max_logprobs = max(wanted)
