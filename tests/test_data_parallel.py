@@ -125,3 +125,22 @@ def test_two_replicas_behind_the_router(tiny_llama):
         assert after == alone[:16]
     finally:
         assert server.stop() == 0
+
+
+def test_router_defaults_are_accepted_and_other_values_are_not():
+    """vllm-router and sglang-router add their request types' defaults to every body they forward."""
+    from pydantic import ValidationError
+
+    from roseinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    forwarded = {"prompt": "hi", "echo": False, "no_stop_trim": False, "ignore_eos": True,
+                 "skip_special_tokens": True, "return_hidden_states": False}
+    assert CompletionRequest.model_validate(forwarded).ignore_eos
+    ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"}], "logprobs": False, "no_stop_trim": False,
+        "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True,
+        "return_hidden_states": False, "include_reasoning": True,
+    })
+    for name, value in (("no_stop_trim", True), ("return_hidden_states", True), ("continue_final_message", True)):
+        with pytest.raises(ValidationError, match=name):
+            CompletionRequest.model_validate({"prompt": "hi", name: value})

@@ -109,8 +109,23 @@ class NamedToolChoice(StrictModel):
     function: NamedFunction
 
 
+# What the load balancers in front of replicas (vllm-router, sglang-router) write into every
+# request they forward: their request types' defaults, which change nothing. Accepted with exactly
+# these values and dropped; any other value is still an unknown or unsupported field.
+ROUTER_DEFAULTS = {"no_stop_trim": False, "return_hidden_states": False, "continue_final_message": False,
+                   "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True}
+
+
 class SamplingFields(StrictModel):
     """What completions and chat completions share."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_router_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(name in data for name in ROUTER_DEFAULTS):
+            data = {name: value for name, value in data.items()
+                    if not (name in ROUTER_DEFAULTS and value is ROUTER_DEFAULTS[name])}
+        return data
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
