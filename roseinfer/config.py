@@ -16,6 +16,7 @@ logger = logging.getLogger("roseinfer")
 
 ATTENTION_BACKENDS = ("auto", "cpp", "torch")
 EXECUTOR_BACKENDS = ("uni", "mp")
+CPU_ALLREDUCE = ("shm", "gloo")
 GIB = 1024**3
 
 _DTYPES = {
@@ -100,6 +101,7 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None on one host: a free port
     cpu_threads_bind: str = "auto"  # auto | none | core lists per local rank, e.g. "0-3|4-7"
+    cpu_allreduce: str = "shm"  # CPU ranks on one host: shm (shared memory) | gloo
 
     DEFAULT_KV_CACHE_GIB = 2.0
 
@@ -154,6 +156,8 @@ class EngineConfig:
             raise bad("master_port", "is required when the ranks span several hosts (nnodes > 1)")
         if self.master_port is not None and not 0 < self.master_port < 65534:
             raise bad("master_port", f"must be a TCP port below 65534 (it and the next two are used), got {self.master_port}")
+        if self.cpu_allreduce not in CPU_ALLREDUCE:
+            raise bad("cpu_allreduce", f"must be one of {', '.join(CPU_ALLREDUCE)}, got {self.cpu_allreduce!r}")
         from roseinfer.distributed.cpu_binding import parse_cpu_binding
 
         parse_cpu_binding(self.cpu_threads_bind)  # raises on a malformed list
@@ -244,7 +248,7 @@ ENGINE_ARG_NAMES = (
     "model", "tokenizer", "device", "dtype", "quantization", "block_size", "kv_cache_memory",
     "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
     "attention_backend", "tensor_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
-    "master_addr", "master_port", "cpu_threads_bind",
+    "master_addr", "master_port", "cpu_threads_bind", "cpu_allreduce",
 )
 
 
@@ -300,3 +304,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parallel.add_argument("--cpu-threads-bind", default="auto",
                           help="CPU cores of each local rank: auto (split this process's cores evenly), "
                                "none, or one list per rank, e.g. '0-3|4-7' (default auto)")
+    parallel.add_argument("--cpu-allreduce", choices=CPU_ALLREDUCE, default="shm",
+                          help="how CPU ranks on one host sum partial results: through shared memory, "
+                               "or gloo's TCP (default shm; ranks on several hosts always use gloo)")

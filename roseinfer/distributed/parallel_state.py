@@ -7,16 +7,23 @@ same model code runs with and without tensor parallelism.
 from __future__ import annotations
 
 import datetime
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from roseinfer.distributed.shm_allreduce import SharedMemoryAllReduce, shm_allreduce_supported
+
+logger = logging.getLogger("roseinfer")
 
 
 @dataclass
 class TensorParallelGroup:
     rank: int = 0
     size: int = 1
+    shared_memory: SharedMemoryAllReduce | None = None  # CPU ranks on one host
+
 
     @property
     def is_first(self) -> bool:
@@ -24,8 +31,11 @@ class TensorParallelGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum the partial results of a row-parallel layer across ranks (in place)."""
-        if self.size > 1:
-            dist.all_reduce(tensor)
+        if self.size == 1:
+            return tensor
+        if self.shared_memory is not None and self.shared_memory.fits(tensor):
+            return self.shared_memory(tensor)
+        dist.all_reduce(tensor)
         return tensor
 
     def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -50,17 +60,25 @@ def get_tp_group() -> TensorParallelGroup:
 
 
 def init_tensor_parallel(
-    rank: int, size: int, backend: str, init_method: str, timeout_s: float = 600.0
+    rank: int, size: int, backend: str, init_method: str, timeout_s: float = 600.0,
+    shared_memory_bytes: int | None = None,
 ) -> TensorParallelGroup:
     """Join the group (every rank calls this; it returns once all have) and make it the one the
-    model code sees."""
+    model code sees. `shared_memory_bytes`: all ranks are CPU processes of one host, and
+    all-reduces up to this size go through shared memory rather than gloo."""
     global _group
     if size > 1 or backend == "nccl":
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    _group = TensorParallelGroup(rank, size)
+    shared = None
+    if shared_memory_bytes and size > 1 and backend == "gloo":
+        if shm_allreduce_supported():
+            shared = SharedMemoryAllReduce(rank, size, shared_memory_bytes)
+        else:
+            logger.warning("shared-memory all-reduce needs x86-64 and /dev/shm: gloo does them all")
+    _group = TensorParallelGroup(rank, size, shared)
     return _group
 
 

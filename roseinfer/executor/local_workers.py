@@ -44,6 +44,7 @@ class LocalWorkers:
                 cores=cores[index], broadcast_address=broadcast_address, reply_address=reply_address,
                 init_method=layout.backend_init_method, log_level=logging.getLogger().getEffectiveLevel(),
                 master_addr=layout.master_addr if layout.multi_host else None,
+                one_host=layout.local_world == layout.world_size,
             )
             process = subprocess.Popen([sys.executable, "-m", "roseinfer.worker", spec.to_json()], env=environment)
             self.processes.append(process)

@@ -53,6 +53,7 @@ class WorkerSpec:
     reply_address: str
     init_method: str  # torch.distributed's rendezvous
     master_addr: str | None = None  # host 0, when the ranks span hosts
+    one_host: bool = True  # every rank runs on this host (shared-memory all-reduce on the CPU)
     log_level: int = logging.INFO
 
     def to_json(self) -> str:
@@ -72,7 +73,13 @@ class Worker:
         backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
         if backend == "gloo" and spec.master_addr is not None:
             choose_gloo_interface(spec.master_addr)
-        init_tensor_parallel(spec.rank, spec.world_size, backend, spec.init_method)
+        shared_bytes = None
+        if backend == "gloo" and spec.one_host and config.cpu_allreduce == "shm":
+            # The largest all-reduce: a step's tokens times the hidden size.
+            element = torch.tensor([], dtype=config.torch_dtype).element_size()
+            shared_bytes = config.max_num_batched_tokens * model_config.hidden_size * element
+        init_tensor_parallel(spec.rank, spec.world_size, backend, spec.init_method,
+                             shared_memory_bytes=shared_bytes)
         torch.manual_seed(config.seed)  # as the in-process executor does; only rank 0 samples
         self.runner = ModelRunner(load_model_weights(config, model_config), model_config, config)
 
