@@ -1,11 +1,13 @@
 """`roseinfer bench scale`: tensor and data parallelism on this machine, the whole table in one run.
 
   TP    `LLM.generate` offline, each configuration in a fresh process pinned to its cores: one
-        rank on all cores, one rank on one core, and two ranks with one core each; one stream,
+        rank on all cores, one rank on one core, and two ranks with one core each (their
+        all-reduces through shared memory, and through gloo); one stream,
         and --streams requests at once; on the default model and on a random-weight Llama of
         about 1B parameters built here (cached in --workdir)
-  comm  gloo's all-reduce of one token's hidden state and of --streams tokens' between two
-        ranks, one core each: the price of each of a layer's two all-reduces under TP
+  comm  an all-reduce of one token's hidden state and of --streams tokens' between two ranks,
+        one core each, through gloo and through shared memory: the price of each of a layer's
+        two all-reduces under TP
   DP    --streams streams at once (`roseinfer bench serve`'s client) against one replica on one
         core, one replica on all cores, and two replicas with one core each behind the router
 
@@ -94,7 +96,7 @@ def build_random_llama(directory: Path) -> Path:
 
 # -- cases run in a process of their own -----------------------------------------------------
 def offline_case(model: str | None, tp: int, cores: list[int], streams: int, prompt_len: int,
-                 output_len: int) -> dict[str, Any]:
+                 output_len: int, allreduce: str = "shm") -> dict[str, Any]:
     """Output tokens per second of `streams` requests at once through LLM.generate."""
     os.sched_setaffinity(0, cores)
     import torch
@@ -102,7 +104,8 @@ def offline_case(model: str | None, tp: int, cores: list[int], streams: int, pro
     torch.set_num_threads(len(cores))
     from roseinfer import LLM, SamplingParams
 
-    llm = LLM(model, tensor_parallel_size=tp, kv_cache_memory=0.5, enable_prefix_caching=False)
+    llm = LLM(model, tensor_parallel_size=tp, kv_cache_memory=0.5, enable_prefix_caching=False,
+              cpu_allreduce=allreduce)
     vocab = llm.llm_engine.model_config.vocab_size
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, vocab - 1) for _ in range(prompt_len)]}
@@ -123,17 +126,21 @@ def _allreduce_rank(rank: int, port: int, shapes: list[list[int]], result_path: 
 
     os.sched_setaffinity(0, [all_cores()[rank % len(all_cores())]])
     torch.set_num_threads(1)
+    from roseinfer.distributed.shm_allreduce import SharedMemoryAllReduce
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    shared = SharedMemoryAllReduce(rank, 2, max(4 * a * b for a, b in shapes))
     latencies = {}
-    for shape in shapes:
-        tensor = torch.randn(*shape)
-        for _ in range(20):
-            dist.all_reduce(tensor)
-        repeats = 200
-        started = time.perf_counter()
-        for _ in range(repeats):
-            dist.all_reduce(tensor)
-        latencies["x".join(map(str, shape))] = round((time.perf_counter() - started) / repeats * 1e6, 1)
+    for name, all_reduce in (("gloo", dist.all_reduce), ("shm", shared)):
+        for shape in shapes:
+            tensor = torch.randn(*shape)
+            for _ in range(20):
+                all_reduce(tensor)
+            repeats = 200
+            started = time.perf_counter()
+            for _ in range(repeats):
+                all_reduce(tensor)
+            latencies[f"{name} {'x'.join(map(str, shape))}"] = round((time.perf_counter() - started) / repeats * 1e6, 1)
     dist.destroy_process_group()
     if rank == 0:
         Path(result_path).write_text(json.dumps(latencies))
@@ -226,12 +233,15 @@ def run_scale_bench(args: argparse.Namespace) -> int:
     rows += ["| model | configuration | 1 stream tok/s | "
              f"{args.streams} at once tok/s | load |", "|---|---|---|---|---|"]
     for label, model, prompt_len, output_len in models:
-        for name, tp, case_cores in (("TP=1, 2 cores", 1, two), ("TP=1, 1 core", 1, one),
-                                     ("TP=2, 1 core per rank", 2, two)):
-            single = run_case({"kind": "offline", "model": model, "tp": tp, "cores": case_cores, "streams": 1,
-                               "prompt_len": prompt_len, "output_len": args.single_output_len})
-            many = run_case({"kind": "offline", "model": model, "tp": tp, "cores": case_cores,
-                             "streams": args.streams, "prompt_len": prompt_len, "output_len": output_len})
+        for name, tp, case_cores, allreduce in (
+            ("TP=1, 2 cores", 1, two, "shm"), ("TP=1, 1 core", 1, one, "shm"),
+            ("TP=2, 1 core per rank, shared-memory all-reduce", 2, two, "shm"),
+            ("TP=2, 1 core per rank, gloo all-reduce", 2, two, "gloo"),
+        ):
+            common = {"kind": "offline", "model": model, "tp": tp, "cores": case_cores, "prompt_len": prompt_len,
+                      "allreduce": allreduce}
+            single = run_case(common | {"streams": 1, "output_len": args.single_output_len})
+            many = run_case(common | {"streams": args.streams, "output_len": output_len})
             results[f"{label} / {name}"] = {"single": single, "many": many}
             rows.append(f"| {label} | {name} | {single['tok_s']:.1f} | {many['tok_s']:.1f} | "
                         f"{single['load']:.1f} / {many['load']:.1f} |")
@@ -240,7 +250,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
     latencies = run_case({"kind": "allreduce", "shapes": [[1, 576], [args.streams, 576], [1, 2048],
                                                            [args.streams, 2048]]})
     results["allreduce_us"] = latencies
-    print(f"gloo all-reduce, 2 ranks: {latencies} (microseconds; load {latencies['load']:.1f})", flush=True)
+    print(f"all-reduce, 2 ranks, one core each (microseconds): {latencies}", flush=True)
 
     rows += ["", f"| served, {args.streams} streams at once (default model) | output tok/s | TTFT p50 | load |",
              "|---|---|---|---|"]
@@ -273,7 +283,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--served-output-len", type=int, default=64, help="output tokens per served stream")
     parser.add_argument("--skip-1b", action="store_true", help="leave out the random 1B Llama")
     parser.add_argument("--workdir", default="/tmp/roseinfer-bench-scale", help="where the 1B Llama is kept")
-    parser.add_argument("--routers", nargs="+", default=["vllm-router"], help="routers to measure")
+    parser.add_argument("--routers", nargs="*", default=["vllm-router"], help="routers to measure (none: skip)")
     parser.add_argument("--router-policies", nargs="+", default=["power_of_two"], help="policies to measure")
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.set_defaults(handler=run_scale_bench)
