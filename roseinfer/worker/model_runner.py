@@ -30,6 +30,7 @@ from roseinfer.outputs import TokenLogprob
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.step_timings import PhaseClock, StepTimings
 from roseinfer.worker.sampler import Sampler, SamplingBatch
+from roseinfer.worker.spec_decode import verify_drafts
 
 
 def decode_kernel_for(attention_backend: str, device: torch.device) -> DecodeKernel | None:
@@ -165,17 +166,21 @@ class ModelRunner:
         slots: list[np.ndarray] = []
         logits_indices: list[int] = []
         sampling: list[CachedRequestState] = []
+        spec = scheduler_output.scheduled_spec_decode_tokens
 
         for state, num_new in decodes + prefills:
+            drafts = spec.get(state.req_id, ())
             start = state.num_computed_tokens
-            end = start + num_new
+            end = start + num_new - len(drafts)
             ids.extend(state.token_ids[start:end])
-            pos = np.arange(start, end, dtype=np.int64)
+            ids.extend(drafts)
+            pos = np.arange(start, start + num_new, dtype=np.int64)
             table = np.asarray(state.block_ids, dtype=np.int64)
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
             if end == len(state.token_ids):  # caught up: its last position gives the next token
-                logits_indices.append(len(ids) - 1)
+                # (and with drafts, each draft's position too: they are verified)
+                logits_indices.extend(range(len(ids) - 1 - len(drafts), len(ids)))
                 sampling.append(state)
 
         meta = AttentionMetadata(slot_mapping=self._tensor(np.concatenate(slots)))
@@ -226,6 +231,51 @@ class ModelRunner:
 
     # -- sampling -------------------------------------------------------------------------
     def sample(
+        self, logits: torch.Tensor, states: list[CachedRequestState], scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput:
+        """One token per request from its logits row; a request with draft tokens has a row per
+        position and gets its accepted drafts and one more token."""
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if not spec or not any(s.req_id in spec for s in states):
+            return self._sample_rows(logits, states, scheduler_output)
+        plain_rows, plain_states, verified = [], [], []
+        row = 0
+        for state in states:
+            drafts = spec.get(state.req_id)
+            if drafts:
+                verified.append((state, drafts, row))
+            else:
+                plain_rows.append(row)
+                plain_states.append(state)
+            row += 1 + len(drafts or ())
+        tokens = self._verify(logits, verified)
+        plain = self._sample_rows(logits[plain_rows], plain_states, scheduler_output) if plain_states else None
+        if plain is not None:
+            tokens |= dict(zip(plain.req_ids, plain.sampled_token_ids, strict=True))
+        logprobs = None
+        if plain is not None and plain.logprobs is not None:  # drafts never go with logprobs
+            by_id = dict(zip(plain.req_ids, plain.logprobs, strict=True))
+            logprobs = [by_id.get(s.req_id, []) for s in states]
+        return ModelRunnerOutput([s.req_id for s in states], [tokens[s.req_id] for s in states], logprobs)
+
+    def _verify(
+        self, logits: torch.Tensor, entries: list[tuple[CachedRequestState, list[int], int]]
+    ) -> dict[str, list[int]]:
+        rows = [r for _, drafts, start in entries for r in range(start, start + len(drafts) + 1)]
+        expanded = [state for state, drafts, _ in entries for _ in range(len(drafts) + 1)]
+        greedy, probs = self.sampler.probabilities(logits[rows], self._sampling_batch(expanded))
+        tokens, offset = {}, 0
+        for state, drafts, _ in entries:
+            span = slice(offset, offset + len(drafts) + 1)
+            params = state.sampling_params
+            generator = self._generator(state) if params.seed is not None and not params.greedy else None
+            tokens[state.req_id] = verify_drafts(
+                drafts, greedy[span], None if params.greedy else probs[span], generator
+            )
+            offset += len(drafts) + 1
+        return tokens
+
+    def _sample_rows(
         self, logits: torch.Tensor, states: list[CachedRequestState], scheduler_output: SchedulerOutput
     ) -> ModelRunnerOutput:
         batch = self._sampling_batch(states)
