@@ -6,7 +6,15 @@ import argparse
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from roseinfer.bench import compare, offline, prefix_cache, quality, serve, structured
+    from roseinfer.bench import (
+        compare,
+        offline,
+        prefix_cache,
+        quality,
+        serve,
+        spec_decode,
+        structured,
+    )
 
     bench = commands.add_parser("bench", help="benchmarks (offline throughput, ...)")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -16,3 +24,4 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     prefix_cache.add_parser(kinds)
     compare.add_parser(kinds)
     structured.add_parser(kinds)
+    spec_decode.add_parser(kinds)
