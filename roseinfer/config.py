@@ -130,7 +130,7 @@ class EngineConfig:
     tokenizer: str | None = None  # a directory; needed for the seed's bare checkpoints
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "none"  # none | int8 | int4 | dynamic-int8 (linear layers; see layers/linear.py)
+    quantization: str = "none"  # none | int8 | int4 (blocked weight-only linear layers; see layers/linear.py)
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB for the KV pool; default below
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
@@ -270,8 +270,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     group.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     group.add_argument("--quantization", "-q", default="none", choices=QUANTIZATION_METHODS,
-                       help="linear-layer kernels: none (the dtype's), weight-only int8 / int4, or "
-                            "dynamic-int8 (int8 weights and activations); CPU only")
+                       help="linear-layer weights: none (the dtype's), or 8-bit / 4-bit blocks of 32 "
+                            "(GGUF's Q8_0 / Q4_1; float32 activations); CPU only")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                        help="most memory for the KV cache in GiB (default "

@@ -4,6 +4,8 @@
   then runs SDPA over it, reading the KV cache three times; the kernel reads it once, straight
   through the block tables (2-3x faster at batch 64 here).
 - RMSNorm and the residual add before it in one pass (PyTorch runs ~6 small kernels for them).
+- Linear layers with GGUF-style blocked weights (4-bit and 8-bit blocks of 32) for small batches,
+  expanded in registers against float activations (see quant_linear_cpu.cpp).
 
 Building needs a C++ compiler and takes ~30 s once; the result is cached by PyTorch
 (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where it cannot be built the engine
@@ -24,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("bindings.cpp", "paged_attention_cpu.cpp", "norm_cpu.cpp")
+    for name in ("bindings.cpp", "paged_attention_cpu.cpp", "norm_cpu.cpp", "quant_linear_cpu.cpp")
 ]
 # -march=native: the build is for this CPU; its name carries the CPU's feature flags so a cache
 # shared with another machine never loads code built for different instructions.
@@ -46,7 +48,7 @@ def _cpu_fingerprint() -> str:
 
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
-    """The compiled module (`paged_decode_attention`, `rms_norm`, `fused_add_rms_norm`), or None
+    """The compiled module (`paged_decode_attention`, `rms_norm`, `fused_add_rms_norm`, `q4_linear`, ...), or None
     where it cannot be built."""
     try:
         from torch.utils.cpp_extension import load
