@@ -26,6 +26,8 @@ from roseinfer.layers.attention import (
     causal_mask_with_prefix,
 )
 from roseinfer.layers.cpu_kernels import cpu_kernels
+from roseinfer.models.fused_decode import MAX_BATCH as MAX_FUSED_BATCH
+from roseinfer.models.fused_decode import fused_decoder_for
 from roseinfer.outputs import TokenLogprob
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.step_timings import PhaseClock, StepTimings
@@ -111,6 +113,10 @@ class ModelRunner:
         self.kv_caches = [zeroed_untouched(shape, self.dtype, self.device) for _ in range(model_config.num_layers)]
         self.sampler = Sampler()
         self.decode_kernel = decode_kernel_for(config.attention_backend, self.device)
+        # Decode-only steps of small batches in one C++ call (float32 Llama with blocked weights).
+        self.fused_decoder = (
+            fused_decoder_for(model, model_config, self.dtype, self.device) if self.decode_kernel is not None else None
+        )
         self.requests: dict[str, CachedRequestState] = {}
 
     # -- one step -------------------------------------------------------------------------
@@ -119,11 +125,19 @@ class ModelRunner:
         clock = PhaseClock(self.timings)
         inputs = self.prepare_inputs(scheduler_output)
         clock.lap("prepare")
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if not inputs.sampling:
-            clock.lap("forward")
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        meta = inputs.meta
+        if self.fused_decoder is not None and not meta.prefills and meta.num_decode_tokens <= MAX_FUSED_BATCH:
+            # Every request decodes one token and samples it: the rows are the batch itself.
+            logits = self.fused_decoder.forward(
+                inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_block_tables,
+                meta.decode_context_lens, self.kv_caches,
+            )
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+            if not inputs.sampling:
+                clock.lap("forward")
+                return ModelRunnerOutput()
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         clock.lap("forward")
         output = self.sample(logits, inputs.sampling, scheduler_output)
         clock.lap("sample")

@@ -10,6 +10,7 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales);
 torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins);
 torch::Tensor q8_dequantize(torch::Tensor codes, torch::Tensor scales);
+void bind_llama_decoder(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU)");
@@ -20,4 +21,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "x @ w.T for 8-bit blocked weights (GGUF Q8_0 layout), float activations");
   m.def("q4_dequantize", &q4_dequantize, "the float weights of 4-bit blocks");
   m.def("q8_dequantize", &q8_dequantize, "the float weights of 8-bit blocks");
+  bind_llama_decoder(m);
 }

@@ -15,6 +15,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "cpu_kernels.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -142,6 +144,31 @@ void check_x(const torch::Tensor& x, int64_t K) {
 
 }  // namespace
 
+namespace roseinfer {
+
+void q4_matmul(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* scales, const float* mins,
+               int64_t N, float* xsums, float* out) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t i = 0; i < M * blocks; ++i) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < kBlock; ++j) sum += x[i * kBlock + j];
+    xsums[i] = sum;
+  }
+  over_tiles(M, N, [&](auto tile, int64_t m, int64_t n0, int64_t n1) {
+    q4_rows<decltype(tile)::value>(x, xsums, codes, scales, mins, out, m, n0, n1, K, N);
+  });
+}
+
+void q8_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* scales, int64_t N,
+               float* out) {
+  over_tiles(M, N, [&](auto tile, int64_t m, int64_t n0, int64_t n1) {
+    q8_rows<decltype(tile)::value>(x, codes, scales, out, m, n0, n1, K, N);
+  });
+}
+
+}  // namespace roseinfer
+
 // x [M, K] float32; codes [N, K / 2] uint8; scales, mins [N, K / 32] float32 -> [M, N] float32.
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins) {
   const int64_t N = codes.size(0), K = codes.size(1) * 2, blocks = K / kBlock;
@@ -153,15 +180,10 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
               "scales and mins must be contiguous float32 [N, K / 32]");
   x = x.contiguous();
   const int64_t M = x.size(0);
-  auto xsums = x.view({M, blocks, kBlock}).sum(-1).contiguous();
+  std::vector<float> xsums(M * blocks);
   auto out = torch::empty({M, N}, x.options());
-  const float *xp = x.data_ptr<float>(), *xs = xsums.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float *sp = scales.data_ptr<float>(), *mp = mins.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  over_tiles(M, N, [&](auto tile, int64_t m, int64_t n0, int64_t n1) {
-    q4_rows<decltype(tile)::value>(xp, xs, cp, sp, mp, op, m, n0, n1, K, N);
-  });
+  roseinfer::q4_matmul(x.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                       mins.data_ptr<float>(), N, xsums.data(), out.data_ptr<float>());
   return out;
 }
 
@@ -176,13 +198,8 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   x = x.contiguous();
   const int64_t M = x.size(0);
   auto out = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* cp = codes.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  over_tiles(M, N, [&](auto tile, int64_t m, int64_t n0, int64_t n1) {
-    q8_rows<decltype(tile)::value>(xp, cp, sp, op, m, n0, n1, K, N);
-  });
+  roseinfer::q8_matmul(x.data_ptr<float>(), M, K, codes.data_ptr<int8_t>(), scales.data_ptr<float>(), N,
+                       out.data_ptr<float>());
   return out;
 }
 
