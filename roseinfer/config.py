@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -71,6 +72,61 @@ class ModelConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's `--speculative-config` spells it. Only the draft-model-free
+    "ngram" method (prompt lookup): the last n tokens (n from prompt_lookup_max down to
+    prompt_lookup_min) are looked for earlier in the sequence, and the tokens that followed them
+    are proposed. One forward pass verifies them; rejected ones are rolled back.
+
+    `disable_by_batch_size`: no speculation in steps with more running requests than this (large
+    batches are compute-bound, where verifying rejected drafts costs real time). A request whose
+    drafts keep being rejected (acceptance under `min_acceptance_rate`) stops proposing for a while.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 4
+    min_acceptance_rate: float = 0.25
+
+    def __post_init__(self) -> None:
+        def bad(field_name: str, message: str) -> InvalidRequestError:
+            return InvalidRequestError(f"speculative_config.{field_name} {message}", f"speculative_config.{field_name}")
+
+        if self.method != "ngram":
+            raise bad("method", f"must be 'ngram' (the draft-model-free method), got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise bad("num_speculative_tokens", f"must be in 1..16, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise bad("prompt_lookup_min", f"must be in 1..prompt_lookup_max, got {self.prompt_lookup_min}")
+        if self.disable_by_batch_size < 1:
+            raise bad("disable_by_batch_size", f"must be at least 1, got {self.disable_by_batch_size}")
+        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise bad("min_acceptance_rate", f"must be in [0, 1], got {self.min_acceptance_rate}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a dict or its JSON text (the command line's form)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise InvalidRequestError(f"speculative_config is not valid JSON: {exc}", "speculative_config") from exc
+        if not isinstance(value, dict):
+            raise InvalidRequestError("speculative_config must be an object", "speculative_config")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}", "speculative_config"
+            )
+        return cls(**value)
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine is built from. Field names follow vLLM's engine arguments."""
 
@@ -78,7 +134,7 @@ class EngineConfig:
     tokenizer: str | None = None  # a directory; needed for the seed's bare checkpoints
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "none"  # none | int8 | int4 | dynamic-int8 (linear layers; see layers/linear.py)
+    quantization: str = "none"  # none | int8 | int4 (blocked weight-only linear layers; see layers/linear.py)
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB for the KV pool; default below
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
@@ -102,6 +158,7 @@ class EngineConfig:
     master_port: int | None = None  # None on one host: a free port
     cpu_threads_bind: str = "auto"  # auto | none | core lists per local rank, e.g. "0-3|4-7"
     cpu_allreduce: str = "shm"  # CPU ranks on one host: shm (shared memory) | gloo
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     DEFAULT_KV_CACHE_GIB = 2.0
 
@@ -131,6 +188,7 @@ class EngineConfig:
             raise bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATION_METHODS:
             raise bad("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.torch_device  # noqa: B018 - validates the device string early
         self._check_distributed()
 
@@ -248,7 +306,7 @@ ENGINE_ARG_NAMES = (
     "model", "tokenizer", "device", "dtype", "quantization", "block_size", "kv_cache_memory",
     "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
     "attention_backend", "tensor_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
-    "master_addr", "master_port", "cpu_threads_bind", "cpu_allreduce",
+    "master_addr", "master_port", "cpu_threads_bind", "cpu_allreduce", "speculative_config",
 )
 
 
@@ -268,8 +326,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     group.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     group.add_argument("--quantization", "-q", default="none", choices=QUANTIZATION_METHODS,
-                       help="linear-layer kernels: none (the dtype's), weight-only int8 / int4, or "
-                            "dynamic-int8 (int8 weights and activations); CPU only")
+                       help="linear-layer weights: none (the dtype's), or 8-bit / 4-bit blocks of 32 "
+                            "(GGUF's Q8_0 / Q4_1; float32 activations); CPU only")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                        help="most memory for the KV cache in GiB (default "
@@ -285,6 +343,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "auto (cpp on the CPU when it builds)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the KV cache of prompt prefixes computed before (default: on)")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding without a draft model, e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')
 
     parallel = parser.add_argument_group("tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA)")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

@@ -75,6 +75,10 @@ class Request:
         self.grammar: Grammar | None = None
         self.grammar_error: str | None = None
         self.grammar_compile_time: float | None = None
+        # Speculative decoding (core/spec_decode.py): recent drafts and how many were accepted.
+        self.spec_proposed = 0
+        self.spec_accepted = 0
+        self.spec_cooldown = 0
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:

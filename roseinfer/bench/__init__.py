@@ -6,7 +6,16 @@ import argparse
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from roseinfer.bench import compare, offline, prefix_cache, quality, scale, serve, structured
+    from roseinfer.bench import (
+        compare,
+        offline,
+        prefix_cache,
+        quality,
+        scale,
+        serve,
+        spec_decode,
+        structured,
+    )
 
     bench = commands.add_parser("bench", help="benchmarks (offline throughput, ...)")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -17,3 +26,4 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     compare.add_parser(kinds)
     scale.add_parser(kinds)
     structured.add_parser(kinds)
+    spec_decode.add_parser(kinds)

@@ -36,7 +36,7 @@ from roseinfer.layers.linear import QUANTIZATION_METHODS
 from roseinfer.models.default_model import default_model_path
 
 REFERENCE = Mode("float32", "none")
-DEFAULT_MODES = ["bfloat16+none", "float32+int8", "float32+int4", "float32+dynamic-int8"]
+DEFAULT_MODES = ["bfloat16+none", "float32+int8", "float32+int4"]
 LLAMA_FLOOR = -16.0  # llama.cpp leaves reference log-probabilities at or below this out of its KL
 
 

@@ -43,7 +43,8 @@ class EngineCore:
         self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.structured_output_manager = StructuredOutputManager(config, model_config)
         self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.structured_output_manager
+            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.structured_output_manager,
+            config.speculative_config,
         )
         self.dead_reason: str | None = None  # set when the executor failed: no step can run again
         logger.debug("engine core ready in %.1fs", time.perf_counter() - started)

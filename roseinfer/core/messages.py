@@ -67,6 +67,8 @@ class SchedulerStats:
     max_batch_requests: int = 0  # the most requests one step has run together
     num_steps: int = 0
     num_scheduled_tokens: int = 0  # tokens run through the model, since start
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified, since start
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass
@@ -112,6 +114,9 @@ class SchedulerOutput:
     # step, one int32 row of bits each (bit t set: token t allowed), and request id -> row.
     grammar_bitmask: np.ndarray | None = None
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: draft tokens to verify after a request's last token (counted in
+    # num_scheduled_tokens); the runner returns the accepted ones and one more.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+from roseinfer.config import SpeculativeConfig
 from roseinfer.core.kv_cache_manager import KVCacheManager
 from roseinfer.core.messages import (
     CachedRequestData,
@@ -26,6 +27,7 @@ from roseinfer.core.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+from roseinfer.core.spec_decode import NgramProposer
 from roseinfer.core.structured_output_manager import StructuredOutputManager
 from roseinfer.outputs import TokenLogprob
 from roseinfer.request import Request, RequestStatus
@@ -38,9 +40,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         structured_output_manager: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.structured_output = structured_output_manager
+        self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -127,14 +131,23 @@ class Scheduler:
         self._unschedulable = None
 
         # Running requests first, oldest first; preempt from the newest end when blocks run out.
+        # A decoding request may add draft tokens to verify (speculative decoding).
+        spec: dict[str, list[int]] = {}
+        speculate = self.proposer is not None and len(self.running) <= self.proposer.config.disable_by_batch_size
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new):
+            drafts = []
+            if speculate and num_new == 1:
+                room = min(request.max_tokens - request.num_output_tokens - 1, budget - 1)
+                drafts = self.proposer.propose(request, room)
+            if not self._allocate_or_preempt(request, num_new + len(drafts)):
                 break  # the request itself was preempted: nothing after it is left running
-            scheduled.append((request, num_new))
-            budget -= num_new
+            if drafts:
+                spec[request.request_id] = drafts
+            scheduled.append((request, num_new + len(drafts)))
+            budget -= num_new + len(drafts)
             index += 1
 
         # Then waiting requests, in arrival order, while seats, budget and blocks allow; a request
@@ -170,7 +183,9 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(passed_over))
 
-        return self._scheduler_output(scheduled)
+        out = self._scheduler_output(scheduled)
+        out.scheduled_spec_decode_tokens = spec
+        return out
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
         while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
@@ -260,18 +275,34 @@ class Scheduler:
             if request is None:  # aborted while the step ran
                 continue
             request.num_computed_tokens += num_new
-            self.kv_cache.cache_computed_blocks(req_id, request.token_ids, request.num_computed_tokens)
-            if req_id in self._awaiting_fork and request.num_computed_tokens >= request.num_prompt_tokens:
-                self._fork_siblings(request)
             row = sampled.get(req_id)
+            new_tokens = runner_output.sampled_token_ids[row] if row is not None else []
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:  # the rejected drafts' K/V are not the sequence's: roll them back
+                accepted = max(len(new_tokens) - 1, 0)
+                request.num_computed_tokens -= len(drafts) - accepted
+                self.kv_cache.free_tail(req_id, request.num_computed_tokens)
+                self.proposer.record(request, len(drafts), accepted)
+                self.stats.num_draft_tokens += len(drafts)
+                self.stats.num_accepted_tokens += accepted
+            output = status = None
             if row is not None:
                 logprobs = runner_output.logprobs[row] if runner_output.logprobs is not None else None
-                outputs.append(self._append_samples(request, runner_output.sampled_token_ids[row], logprobs))
+                output, status = self._append_samples(request, new_tokens, logprobs)
+            computed = min(request.num_computed_tokens, request.num_tokens)  # a stop drops later drafts
+            self.kv_cache.cache_computed_blocks(req_id, request.token_ids, computed)
+            if req_id in self._awaiting_fork and request.num_computed_tokens >= request.num_prompt_tokens:
+                self._fork_siblings(request)
+            if status is not None:
+                self._finish(request, status)
+            if output is not None:
+                outputs.append(output)
         return EngineCoreOutputs(outputs, self.make_stats())
 
     def _append_samples(
         self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob] | None
-    ) -> EngineCoreOutput:
+    ) -> tuple[EngineCoreOutput, RequestStatus | None]:
+        """Append sampled tokens up to the first that ends the request; the caller finishes it."""
         params = request.sampling_params
         appended = 0
         status = None
@@ -301,9 +332,8 @@ class Scheduler:
             grammar_compile_time=request.grammar_compile_time,
         )
         if status is not None:
-            self._finish(request, status)
             output.finish_reason, output.stop_reason, output.error = status.value, request.stop_reason, error
-        return output
+        return output, status
 
     def _fork_siblings(self, parent: Request) -> None:
         """Each sibling shares the parent's blocks and recomputes only the last prompt token (for

@@ -28,10 +28,13 @@ from roseinfer.layers.attention import (
     causal_mask_with_prefix,
 )
 from roseinfer.layers.cpu_kernels import cpu_kernels
+from roseinfer.models.fused_decode import MAX_BATCH as MAX_FUSED_BATCH
+from roseinfer.models.fused_decode import fused_decoder_for
 from roseinfer.outputs import TokenLogprob
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.step_timings import PhaseClock, StepTimings
 from roseinfer.worker.sampler import Sampler, SamplingBatch
+from roseinfer.worker.spec_decode import verify_drafts
 
 
 def decode_kernel_for(attention_backend: str, device: torch.device) -> DecodeKernel | None:
@@ -115,6 +118,10 @@ class ModelRunner:
         self.kv_caches = [zeroed_untouched(shape, self.dtype, self.device) for _ in range(model_config.num_layers)]
         self.sampler = Sampler()
         self.decode_kernel = decode_kernel_for(config.attention_backend, self.device)
+        # Decode-only steps of small batches in one C++ call (float32 Llama with blocked weights).
+        self.fused_decoder = (
+            fused_decoder_for(model, model_config, self.dtype, self.device) if self.decode_kernel is not None else None
+        )
         self.requests: dict[str, CachedRequestState] = {}
 
     # -- one step -------------------------------------------------------------------------
@@ -126,11 +133,19 @@ class ModelRunner:
         clock = PhaseClock(self.timings)
         inputs = self.prepare_inputs(scheduler_output)
         clock.lap("prepare")
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if not inputs.sampling:
-            clock.lap("forward")
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        meta = inputs.meta
+        if self.fused_decoder is not None and not meta.prefills and meta.num_decode_tokens <= MAX_FUSED_BATCH:
+            # Every request decodes one token and samples it: the rows are the batch itself.
+            logits = self.fused_decoder.forward(
+                inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_block_tables,
+                meta.decode_context_lens, self.kv_caches,
+            )
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+            if not inputs.sampling:
+                clock.lap("forward")
+                return ModelRunnerOutput()
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         clock.lap("forward")
         if logits is None:  # a tensor-parallel rank other than the first: rank 0 samples
             return ModelRunnerOutput()
@@ -175,17 +190,21 @@ class ModelRunner:
         slots: list[np.ndarray] = []
         logits_indices: list[int] = []
         sampling: list[CachedRequestState] = []
+        spec = scheduler_output.scheduled_spec_decode_tokens
 
         for state, num_new in decodes + prefills:
+            drafts = spec.get(state.req_id, ())
             start = state.num_computed_tokens
-            end = start + num_new
+            end = start + num_new - len(drafts)
             ids.extend(state.token_ids[start:end])
-            pos = np.arange(start, end, dtype=np.int64)
+            ids.extend(drafts)
+            pos = np.arange(start, start + num_new, dtype=np.int64)
             table = np.asarray(state.block_ids, dtype=np.int64)
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
             if end == len(state.token_ids):  # caught up: its last position gives the next token
-                logits_indices.append(len(ids) - 1)
+                # (and with drafts, each draft's position too: they are verified)
+                logits_indices.extend(range(len(ids) - 1 - len(drafts), len(ids)))
                 sampling.append(state)
 
         meta = AttentionMetadata(slot_mapping=self._tensor(np.concatenate(slots)))
@@ -236,6 +255,51 @@ class ModelRunner:
 
     # -- sampling -------------------------------------------------------------------------
     def sample(
+        self, logits: torch.Tensor, states: list[CachedRequestState], scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput:
+        """One token per request from its logits row; a request with draft tokens has a row per
+        position and gets its accepted drafts and one more token."""
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if not spec or not any(s.req_id in spec for s in states):
+            return self._sample_rows(logits, states, scheduler_output)
+        plain_rows, plain_states, verified = [], [], []
+        row = 0
+        for state in states:
+            drafts = spec.get(state.req_id)
+            if drafts:
+                verified.append((state, drafts, row))
+            else:
+                plain_rows.append(row)
+                plain_states.append(state)
+            row += 1 + len(drafts or ())
+        tokens = self._verify(logits, verified)
+        plain = self._sample_rows(logits[plain_rows], plain_states, scheduler_output) if plain_states else None
+        if plain is not None:
+            tokens |= dict(zip(plain.req_ids, plain.sampled_token_ids, strict=True))
+        logprobs = None
+        if plain is not None and plain.logprobs is not None:  # drafts never go with logprobs
+            by_id = dict(zip(plain.req_ids, plain.logprobs, strict=True))
+            logprobs = [by_id.get(s.req_id, []) for s in states]
+        return ModelRunnerOutput([s.req_id for s in states], [tokens[s.req_id] for s in states], logprobs)
+
+    def _verify(
+        self, logits: torch.Tensor, entries: list[tuple[CachedRequestState, list[int], int]]
+    ) -> dict[str, list[int]]:
+        rows = [r for _, drafts, start in entries for r in range(start, start + len(drafts) + 1)]
+        expanded = [state for state, drafts, _ in entries for _ in range(len(drafts) + 1)]
+        greedy, probs = self.sampler.probabilities(logits[rows], self._sampling_batch(expanded))
+        tokens, offset = {}, 0
+        for state, drafts, _ in entries:
+            span = slice(offset, offset + len(drafts) + 1)
+            params = state.sampling_params
+            generator = self._generator(state) if params.seed is not None and not params.greedy else None
+            tokens[state.req_id] = verify_drafts(
+                drafts, greedy[span], None if params.greedy else probs[span], generator
+            )
+            offset += len(drafts) + 1
+        return tokens
+
+    def _sample_rows(
         self, logits: torch.Tensor, states: list[CachedRequestState], scheduler_output: SchedulerOutput
     ) -> ModelRunnerOutput:
         batch = self._sampling_batch(states)

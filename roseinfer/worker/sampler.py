@@ -73,6 +73,24 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy_rows = batch.temperature == 0
         greedy = greedy_tokens(logits)
+        probs = self._probabilities(logits, batch)
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in batch.generators.items():
+            noise[row].exponential_(generator=generator)
+        random = (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)  # an exact 0 would win wrongly
+        return torch.where(greedy_rows, greedy, random)
+
+    def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's greedy token and, unless every row is greedy, the distribution a sample is
+        drawn from (after temperature, min-p, top-k and top-p). For verifying draft tokens, whose
+        requests have no penalties, bias, grammar or min_tokens (see core/spec_decode.py)."""
+        logits = logits.float()
+        greedy = greedy_tokens(logits)
+        return greedy, None if batch.all_greedy else self._probabilities(logits, batch)
+
+    @staticmethod
+    def _probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy_rows = batch.temperature == 0
         temperature = torch.where(greedy_rows, torch.ones_like(batch.temperature), batch.temperature)
         logits = logits / temperature[:, None]
         if batch.min_p is not None:
@@ -81,12 +99,7 @@ class Sampler:
             logits = apply_top_k(logits, batch.top_k)
         if batch.top_p is not None:
             logits = apply_top_p(logits, batch.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for row, generator in batch.generators.items():
-            noise[row].exponential_(generator=generator)
-        random = (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)  # an exact 0 would win wrongly
-        return torch.where(greedy_rows, greedy, random)
+        return torch.softmax(logits, dim=-1)
 
     @staticmethod
     def _with_logprobs(
