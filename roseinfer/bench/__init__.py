@@ -13,6 +13,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         quality,
         scale,
         serve,
+        single_stream,
         spec_decode,
         structured,
     )
@@ -27,3 +28,4 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     scale.add_parser(kinds)
     structured.add_parser(kinds)
     spec_decode.add_parser(kinds)
+    single_stream.add_parser(kinds)

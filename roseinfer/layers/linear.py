@@ -99,10 +99,13 @@ class BlockQuantLinear(nn.Module):
 
     SMALL_BATCH = 16  # rows up to which the blocked kernel beats expanding the weight
 
-    def __init__(self, linear: nn.Linear, bits: int) -> None:
+    def __init__(self, linear: nn.Linear, bits: int, quantize_activations: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bits = bits
+        # Where the C++ build has VNNI, small batches' activations are quantized to 8 bits per
+        # block (csrc/quant_linear_cpu.cpp); the LM head, bound by reading its weights, opts out.
+        self.quantize_activations = quantize_activations
         if bits == 4:
             codes, scales, minimums = quantize_int4_groups(linear.weight.detach())
             self.register_buffer("codes", pack_nibbles(codes))
@@ -135,7 +138,7 @@ class BlockQuantLinear(nn.Module):
             if self.bits == 4:
                 out = self._kernels.q4_linear(rows, self.codes, self.scales, self.minimums)
             else:
-                out = self._kernels.q8_linear(rows, self.codes, self.scales)
+                out = self._kernels.q8_linear(rows, self.codes, self.scales, self.quantize_activations)
         else:
             out = rows @ self.dequantized_weight().T
         if self.bias is not None:
@@ -182,10 +185,11 @@ def prepare_linear_layers(model: nn.Module, quantization: str, device: torch.dev
             if type(child) is not nn.Linear:
                 continue
             layer_kind = kind
-            if quantization == "int4" and not parent_name and name == "lm_head":
+            if not parent_name and name == "lm_head" and quantization in ("int4", "int8"):
                 # The head, the layer most sensitive to rounding, gets 8-bit blocks (as GGUF files
-                # keep it at 6-8 bits; the default model's head is Q8_0, so these are its own codes).
-                layer_kind = partial(BlockQuantLinear, bits=8)
+                # keep it at 6-8 bits; the default model's head is Q8_0, so these are its own codes)
+                # and float activations.
+                layer_kind = partial(BlockQuantLinear, bits=8, quantize_activations=False)
             if not _supports(layer_kind, child, child.weight.dtype):
                 logger.warning("%s (%d x %d) stays unquantized: its shape does not fit %s",
                                name, child.out_features, child.in_features, quantization)

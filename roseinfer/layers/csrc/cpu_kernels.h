@@ -19,7 +19,10 @@ void paged_attention_sequence(const float* q, const float* k_pool, const float* 
 // xsums: scratch of at least M * K / 32 floats (q4 only).
 void q4_matmul(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* scales, const float* mins,
                int64_t N, float* xsums, float* out);
+// quantize_x: on VNNI builds, quantize x to 8 bits per block of 32 and multiply bytes (faster where
+// converting codes bounds the product); off, float activations (exact; the LM head, which is bound
+// by reading its weights either way).
 void q8_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* scales, int64_t N,
-               float* out);
+               float* out, bool quantize_x);
 
 }  // namespace roseinfer

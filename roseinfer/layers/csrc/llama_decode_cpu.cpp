@@ -27,6 +27,7 @@ struct BlockedLinear {
   torch::Tensor codes, scales, mins, bias;  // mins: q4 only; bias may be undefined
   int64_t N = 0, K = 0;
   bool q4 = false;
+  bool quantize_x = true;  // 8-bit blocks: see q8_matmul (the head keeps float activations)
 
   BlockedLinear() = default;
   BlockedLinear(const OptTensor& c, const OptTensor& s, const OptTensor& m, const OptTensor& b) {
@@ -50,7 +51,7 @@ struct BlockedLinear {
       roseinfer::q4_matmul(x, M, K, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), N,
                            xsums.data(), out);
     } else {
-      roseinfer::q8_matmul(x, M, K, codes.data_ptr<int8_t>(), scales.data_ptr<float>(), N, out);
+      roseinfer::q8_matmul(x, M, K, codes.data_ptr<int8_t>(), scales.data_ptr<float>(), N, out, quantize_x);
     }
     if (bias.defined()) {
       const float* b = bias.data_ptr<float>();
@@ -103,6 +104,7 @@ class LlamaDecoder {
     final_norm_ = final_norm.contiguous().to(torch::kFloat);
     TORCH_CHECK(head.size() == 4, "head: codes, scales, mins, bias");
     head_ = BlockedLinear(head[0], head[1], head[2], head[3]);
+    head_.quantize_x = false;  // bound by reading its weights: exact activations cost nothing here
     inv_freq_ = inv_freq.contiguous().to(torch::kFloat);
     for (auto& t : layers) {
       TORCH_CHECK(t.size() == 20, "a layer is 20 tensors (see LlamaDecoder in models/fused_decode.py)");
