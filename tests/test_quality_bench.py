@@ -119,7 +119,11 @@ def test_bench_quality_command_on_a_tiny_model(tmp_path, capsys):
                  "--ctx-size", "64", "--chunks", "3", "--methods", "float32+none", "bfloat16+none",
                  "float32+int4", "--json", str(report)]) == 0
     rows = {row["mode"]: row for row in json.loads(report.read_text())["rows"]}
-    assert list(rows) == ["float32+none (reference)", "float32+none", "bfloat16+none", "float32+int4"]
+    assert list(rows) == ["float32+none (reference)", "float32+none", "bfloat16+none", "float32+int4",
+                          "float32+none, 16 rows a step", "bfloat16+none, 16 rows a step",
+                          "float32+int4, 16 rows a step"]
+    # fed 16 tokens a step, the float32 model computes the same distributions as in one forward
+    assert rows["float32+none, 16 rows a step"]["mean_kld"] < 1e-6
     reference = rows["float32+none (reference)"]
     assert reference["tokens"] == 3 * 31 and reference["mean_kld"] is None
     assert rows["float32+none"]["mean_kld"] == 0.0  # the same kernels give the same distributions

@@ -79,7 +79,9 @@ def test_acceptance_rule_gives_the_target_distribution(default_llm, hf_default_m
     model's own next-token distribution (chi-square), whichever draft was proposed."""
     with torch.no_grad():
         logits = hf_default_model(torch.tensor([chat_prompt_ids[1]])).logits[0, -1]
-    probs = torch.softmax(logits / 1.5, dim=-1)  # flatten it a little: more tokens with mass
+    # The model's 64 likeliest tokens, renormalised and flattened a little (more tokens with mass):
+    # a real distribution over a small vocabulary, so that 40,000 verifications take seconds.
+    probs = torch.softmax(logits.topk(64).values / 1.5, dim=-1)
     top = probs.topk(6).indices.tolist()
     generator = torch.Generator().manual_seed(1234)
     trials = 20000
@@ -90,5 +92,6 @@ def test_acceptance_rule_gives_the_target_distribution(default_llm, hf_default_m
             counts[token] = counts.get(token, 0) + 1
         observed = np.array([counts.get(t, 0) for t in top] + [trials - sum(counts.get(t, 0) for t in top)])
         expected_p = np.array([float(probs[t]) for t in top] + [1 - float(probs[top].sum())])
+        expected_p /= expected_p.sum()  # float32's last bits: chisquare wants the totals to agree
         result = stats.chisquare(observed, expected_p * trials)
         assert result.pvalue > 0.001, (draft, observed, expected_p * trials)
