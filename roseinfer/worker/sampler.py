@@ -110,7 +110,9 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep each row's k largest logits (ties at the k-th value are kept too)."""
+    """Keep each row's k largest logits (ties at the k-th value are kept too); a k beyond the
+    vocabulary keeps every token."""
+    top_k = top_k.clamp(max=logits.shape[-1])
     max_k = int(top_k.max())
     values = logits.topk(max_k, dim=-1).values
     kth = values.gather(1, (top_k - 1).clamp(min=0, max=max_k - 1)[:, None])
