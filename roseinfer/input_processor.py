@@ -50,6 +50,15 @@ class RequestLimits:
     max_stop_chars: int | None = None  # characters in one stop string
 
 
+def longest_prompt_chars(tokenizer: Tokenizer, max_model_len: int) -> int:
+    """The most characters a prompt that fits the context can have: the context times the longest
+    token's text (+1 for a leading space a decoder drops). The server's default prompt limit."""
+    backend = tokenizer.backend
+    pieces = backend.decode_batch([[i] for i in range(backend.get_vocab_size(with_added_tokens=True))],
+                                  skip_special_tokens=False)
+    return max_model_len * (max(map(len, pieces), default=1) + 1)
+
+
 @dataclass
 class ProcessedRequest:
     request_id: str
