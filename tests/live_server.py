@@ -23,7 +23,7 @@ class ServerProcess:
     def __init__(self, *flags: str, env: dict[str, str] | None = None, port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = f"/tmp/roseinfer-test-server-{self.port}.log"
+        self.log_path = f"/tmp/roseinfer-test-server-{self.port}-{time.time_ns()}.log"  # a restart: a new log
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "roseinfer.cli", "serve", "--port", str(self.port), "--stats-interval", "2",

@@ -23,7 +23,7 @@ from roseinfer.engine.async_llm import AsyncLLM
 from roseinfer.errors import EngineDeadError, RoseInferError
 from roseinfer.server.error_responses import GenerationError, error_response, response_for
 from roseinfer.server.metrics import CONTENT_TYPE, PrometheusStatLogger
-from roseinfer.server.middleware import ApiKeyGuard, ErrorGuard
+from roseinfer.server.middleware import ApiKeyGuard, BodyLimit, ErrorGuard
 from roseinfer.server.openapi import errors, finish_document, streamed
 from roseinfer.server.protocol import (
     ChatCompletionChunk,
@@ -116,7 +116,7 @@ def create_app(
         engine.shutdown()
         logger.info("engine loop stopped")
 
-    app = FastAPI(title="roseinfer", lifespan=lifespan, max_body_size=max_body_bytes)
+    app = FastAPI(title="roseinfer", lifespan=lifespan)
     app.state.engine = engine
     finish_document(app, extra_models=[ChatCompletionChunk])
 
@@ -154,13 +154,15 @@ def create_app(
         logger.error("request failed: %s", exc)
         return response_for(exc)
 
+    def too_large() -> JSONResponse:
+        return error_response(413, f"the request body is larger than this server's limit of {max_body_bytes} "
+                                   "bytes (--max-request-body-bytes)")
+
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        message = str(exc.detail)
         if exc.status_code == 413:
-            message = (f"the request body is larger than this server's limit of {max_body_bytes} bytes "
-                       "(--max-request-body-bytes)")
-        return error_response(exc.status_code, message, headers=exc.headers)
+            return too_large()
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     # -- routes ---------------------------------------------------------------------------
     @app.get("/health", responses={200: {"content": {"application/json": {"schema": {
@@ -220,6 +222,8 @@ def create_app(
 
         add_web_ui(app)
 
+    if max_body_bytes is not None:
+        app.add_middleware(BodyLimit, max_bytes=max_body_bytes, respond=lambda status, message: too_large())
     if api_key is not None:
         open_paths = OPEN_PATHS - ({"/health", "/metrics"} if protect_metrics else set())
         app.add_middleware(ApiKeyGuard, api_key=api_key, open_paths=open_paths, open_prefixes=OPEN_PREFIXES,

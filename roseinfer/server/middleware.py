@@ -1,5 +1,5 @@
-"""ASGI middleware around the app: the API key, checked before anything else is read, and a last
-guard that turns an unexpected exception into an error response without costing the client its
+"""ASGI middleware around the app: the API key, checked before anything else is read; the body
+size limit; and a last guard that turns an unexpected exception into an error response without costing the client its
 connection.
 
 Starlette's own fallback for unhandled exceptions answers 500 and then re-raises, and uvicorn then
@@ -13,6 +13,7 @@ import logging
 import secrets
 from collections.abc import Callable
 
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -51,6 +52,38 @@ class ApiKeyGuard:
                 scheme, _, token = value.partition(b" ")
                 return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key)
         return False
+
+
+class BodyLimit:
+    """Refuse a request body over `max_bytes` with a 413: at once when its Content-Length says so,
+    else as soon as the bytes read pass it (the HTTPException reaches the app's handler, which
+    names the limit). Starlette's own limiter answers in plain text, not with an error object."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, respond: ErrorResponder) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.respond = respond
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self.respond(413, "")(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise HTTPException(413)
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 class ErrorGuard:
