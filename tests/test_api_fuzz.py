@@ -24,7 +24,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-EXAMPLES = 25
+EXAMPLES = 12
 MAX_NEW_TOKENS = 3
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           response_headers_conformance]
