@@ -25,7 +25,12 @@ def add_seed_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int 
 def run_generate(args: argparse.Namespace) -> int:
     """Generate for args.prompts and print each as the seed's offline example does."""
     from roseinfer.engine.seed_api import InferenceEngine, OfflineScheduler
+    from roseinfer.executor.local_workers import run_worker_host_if_asked
     from roseinfer.sampling_params import SamplingParams
+
+    exit_code = run_worker_host_if_asked(EngineConfig.from_cli_args(args))
+    if exit_code is not None:
+        return exit_code
 
     prompts = list(args.prompts or [])
     if not prompts and not sys.stdin.isatty():
@@ -119,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # `serve -dp N` starts replicas with it
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(levelname)s %(asctime)s %(name)s: %(message)s",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -15,6 +16,8 @@ from roseinfer.layers.linear import QUANTIZATION_METHODS
 logger = logging.getLogger("roseinfer")
 
 ATTENTION_BACKENDS = ("auto", "cpp", "torch")
+EXECUTOR_BACKENDS = ("uni", "mp")
+CPU_ALLREDUCE = ("shm", "gloo")
 GIB = 1024**3
 
 _DTYPES = {
@@ -53,10 +56,12 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
 
-    def kv_block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one KV block takes across all layers, keys and values."""
+    def kv_block_bytes(self, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+        """Bytes one KV block takes across all layers, keys and values, on one rank (with tensor
+        parallelism a rank holds only its KV heads; the rank with the most of them counts)."""
         element = torch.tensor([], dtype=dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element
+        heads = -(-self.num_kv_heads // tensor_parallel_size)
+        return 2 * self.num_layers * block_size * heads * self.head_dim * element
 
     @property
     def context_length(self) -> int:
@@ -67,6 +72,61 @@ class ModelConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's `--speculative-config` spells it. Only the draft-model-free
+    "ngram" method (prompt lookup): the last n tokens (n from prompt_lookup_max down to
+    prompt_lookup_min) are looked for earlier in the sequence, and the tokens that followed them
+    are proposed. One forward pass verifies them; rejected ones are rolled back.
+
+    `disable_by_batch_size`: no speculation in steps with more running requests than this (large
+    batches are compute-bound, where verifying rejected drafts costs real time). A request whose
+    drafts keep being rejected (acceptance under `min_acceptance_rate`) stops proposing for a while.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 4
+    min_acceptance_rate: float = 0.25
+
+    def __post_init__(self) -> None:
+        def bad(field_name: str, message: str) -> InvalidRequestError:
+            return InvalidRequestError(f"speculative_config.{field_name} {message}", f"speculative_config.{field_name}")
+
+        if self.method != "ngram":
+            raise bad("method", f"must be 'ngram' (the draft-model-free method), got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise bad("num_speculative_tokens", f"must be in 1..16, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise bad("prompt_lookup_min", f"must be in 1..prompt_lookup_max, got {self.prompt_lookup_min}")
+        if self.disable_by_batch_size < 1:
+            raise bad("disable_by_batch_size", f"must be at least 1, got {self.disable_by_batch_size}")
+        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise bad("min_acceptance_rate", f"must be in [0, 1], got {self.min_acceptance_rate}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a dict or its JSON text (the command line's form)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise InvalidRequestError(f"speculative_config is not valid JSON: {exc}", "speculative_config") from exc
+        if not isinstance(value, dict):
+            raise InvalidRequestError("speculative_config must be an object", "speculative_config")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}", "speculative_config"
+            )
+        return cls(**value)
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine is built from. Field names follow vLLM's engine arguments."""
 
@@ -74,7 +134,7 @@ class EngineConfig:
     tokenizer: str | None = None  # a directory; needed for the seed's bare checkpoints
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "none"  # none | int8 | int4 | dynamic-int8 (linear layers; see layers/linear.py)
+    quantization: str = "none"  # none | int8 | int4 (blocked weight-only linear layers; see layers/linear.py)
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB for the KV pool; default below
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
@@ -88,6 +148,17 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | cpp (compiled CPU decode kernel) | torch (SDPA)
     seed: int = 0
     served_model_name: str | None = None
+    # Tensor parallelism (see roseinfer/distributed/): ranks, the executor that runs them, and
+    # where they meet when they span hosts (torch.distributed's usual rendezvous settings).
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: "uni" for one rank, else "mp"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None on one host: a free port
+    cpu_threads_bind: str = "auto"  # auto | none | core lists per local rank, e.g. "0-3|4-7"
+    cpu_allreduce: str = "shm"  # CPU ranks on one host: shm (shared memory) | gloo
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     DEFAULT_KV_CACHE_GIB = 2.0
 
@@ -117,19 +188,55 @@ class EngineConfig:
             raise bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATION_METHODS:
             raise bad("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.torch_device  # noqa: B018 - validates the device string early
+        self._check_distributed()
+
+    def _check_distributed(self) -> None:
+        def bad(param: str, message: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param} {message}", param=param)
+
+        if self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", f"must be at least 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise bad("distributed_executor_backend",
+                      f"must be one of {', '.join(EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise bad("distributed_executor_backend",
+                      "'uni' runs one rank in the engine's own process; tensor_parallel_size > 1 needs 'mp'")
+        if self.nnodes < 1:
+            raise bad("nnodes", f"must be at least 1, got {self.nnodes}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise bad("nnodes", f"{self.nnodes} hosts cannot share {self.tensor_parallel_size} ranks evenly")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise bad("node_rank", f"must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise bad("master_port", "is required when the ranks span several hosts (nnodes > 1)")
+        if self.master_port is not None and not 0 < self.master_port < 65534:
+            raise bad("master_port", f"must be a TCP port below 65534 (it and the next two are used), got {self.master_port}")
+        if self.cpu_allreduce not in CPU_ALLREDUCE:
+            raise bad("cpu_allreduce", f"must be one of {', '.join(CPU_ALLREDUCE)}, got {self.cpu_allreduce!r}")
+        from roseinfer.distributed.cpu_binding import parse_cpu_binding
+
+        parse_cpu_binding(self.cpu_threads_bind)  # raises on a malformed list
+
+    @property
+    def executor_backend(self) -> str:
+        """The executor that runs the model: "uni" (in the engine's process) or "mp" (worker
+        processes, one per tensor-parallel rank)."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.tensor_parallel_size > 1 else "uni"
 
     def resolve(self, model_config: ModelConfig) -> None:
-        """Fill in what depends on the model: the KV pool's block count and `max_model_len`
-        (the model's context, or less when asked or when the pool cannot hold it)."""
-        if self.num_kv_blocks is None:
-            gib = self.kv_cache_memory or self.DEFAULT_KV_CACHE_GIB
-            per_block = model_config.kv_block_bytes(self.block_size, self.torch_dtype)
-            self.num_kv_blocks = int(gib * GIB // per_block)
-            if self.num_kv_blocks < 1:
-                raise InvalidRequestError(
-                    f"kv_cache_memory {gib} GiB holds no block of {per_block} bytes", "kv_cache_memory"
-                )
+        """Fill in what depends on the model: `max_model_len` (the model's context, or less when
+        asked or when the pool cannot hold it) and the KV pool's block count: what the
+        configuration can use at once (max_num_seqs sequences of max_model_len tokens), capped by
+        --kv-cache-memory (per rank under tensor parallelism). The pool's memory is committed only
+        as blocks are first written."""
+        from roseinfer.distributed.partition import check_tensor_parallel
+
+        check_tensor_parallel(model_config, self.tensor_parallel_size)
         context = model_config.context_length
         if self.max_model_len is not None and self.max_model_len > context:
             raise InvalidRequestError(
@@ -137,6 +244,16 @@ class EngineConfig:
                 "max_model_len",
             )
         length = self.max_model_len or context
+        if self.num_kv_blocks is None:
+            gib = self.kv_cache_memory or self.DEFAULT_KV_CACHE_GIB
+            per_block = model_config.kv_block_bytes(self.block_size, self.torch_dtype, self.tensor_parallel_size)
+            budget = int(gib * GIB // per_block)
+            if budget < 1:
+                raise InvalidRequestError(
+                    f"kv_cache_memory {gib} GiB holds no block of {per_block} bytes", "kv_cache_memory"
+                )
+            usable = self.max_num_seqs * -(-length // self.block_size)
+            self.num_kv_blocks = min(budget, usable)
         capacity = self.num_kv_blocks * self.block_size
         if capacity < length:
             logger.warning(
@@ -188,7 +305,8 @@ class EngineConfig:
 ENGINE_ARG_NAMES = (
     "model", "tokenizer", "device", "dtype", "quantization", "block_size", "kv_cache_memory",
     "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
-    "attention_backend",
+    "attention_backend", "tensor_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
+    "master_addr", "master_port", "cpu_threads_bind", "cpu_allreduce", "speculative_config",
 )
 
 
@@ -208,11 +326,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     group.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     group.add_argument("--quantization", "-q", default="none", choices=QUANTIZATION_METHODS,
-                       help="linear-layer kernels: none (the dtype's), weight-only int8 / int4, or "
-                            "dynamic-int8 (int8 weights and activations); CPU only")
+                       help="linear-layer weights: none (the dtype's), or 8-bit / 4-bit blocks of 32 "
+                            "(GGUF's Q8_0 / Q4_1; float32 activations); CPU only")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                       help=f"memory for the KV cache in GiB (default {EngineConfig.DEFAULT_KV_CACHE_GIB:g})")
+                       help="most memory for the KV cache in GiB (default "
+                            f"{EngineConfig.DEFAULT_KV_CACHE_GIB:g}; less when max-num-seqs x max-model-len "
+                            "needs less; committed only as it is used)")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
     group.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -223,3 +343,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "auto (cpp on the CPU when it builds)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the KV cache of prompt prefixes computed before (default: on)")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding without a draft model, e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')
+
+    parallel = parser.add_argument_group("tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA)")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                          help="ranks the model is sharded over, one worker process each (default 1)")
+    parallel.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default=None,
+                          help="uni: the model in the engine's process; mp: worker processes "
+                               "(default: uni for one rank, mp for more)")
+    parallel.add_argument("--nnodes", type=int, default=1, help="hosts the ranks span (default 1)")
+    parallel.add_argument("--node-rank", type=int, default=0,
+                          help="this host's index; host 0 runs the engine and the server, the others "
+                               "only their ranks' workers (default 0)")
+    parallel.add_argument("--master-addr", default="127.0.0.1",
+                          help="address of host 0, where the ranks meet (default 127.0.0.1)")
+    parallel.add_argument("--master-port", type=int, default=None,
+                          help="torch.distributed's rendezvous port on host 0; the next two ports carry "
+                               "the engine's messages to remote workers (default: a free port, one host only)")
+    parallel.add_argument("--cpu-threads-bind", default="auto",
+                          help="CPU cores of each local rank: auto (split this process's cores evenly), "
+                               "none, or one list per rank, e.g. '0-3|4-7' (default auto)")
+    parallel.add_argument("--cpu-allreduce", choices=CPU_ALLREDUCE, default="shm",
+                          help="how CPU ranks on one host sum partial results: through shared memory, "
+                               "or gloo's TCP (default shm; ranks on several hosts always use gloo)")

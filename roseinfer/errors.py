@@ -36,3 +36,7 @@ class EngineOverloadedError(RoseInferError):
 
 class RequestTimeoutError(RoseInferError):
     """A request ran longer than the server's per-request time limit and was aborted."""
+
+
+class ExecutorFailedError(EngineDeadError):
+    """A model worker died or raised: the engine cannot run another step."""

@@ -14,6 +14,7 @@ A request with n > 1 becomes n engine-core requests ("<id>/<index>"), each with 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class ChatPrompt:
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI's function tools, for the template
 
 
 PromptType = str | Sequence[int] | ChatPrompt
@@ -103,15 +105,17 @@ class InputProcessor:
     def render_chat(self, chat: ChatPrompt) -> str:
         """The prompt text of a conversation, from the model's chat template."""
         kwargs = dict(chat.chat_template_kwargs or {})
-        for reserved in ("messages", "add_generation_prompt"):
+        for reserved in ("messages", "add_generation_prompt", "tools"):
             if reserved in kwargs:
                 raise InvalidRequestError(
                     f"chat_template_kwargs must not set {reserved!r}; it is a request field of its own",
                     "chat_template_kwargs",
                 )
+        if chat.tools:
+            kwargs["tools"] = chat.tools
         try:
             return self.tokenizer.apply_chat_template(
-                chat.messages, add_generation_prompt=chat.add_generation_prompt, **kwargs
+                _arguments_as_objects(chat.messages), add_generation_prompt=chat.add_generation_prompt, **kwargs
             )
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "messages") from exc
@@ -190,12 +194,14 @@ class InputProcessor:
                     "max_tokens",
                 )
             max_tokens = room
-        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad_stop:
-            raise InvalidRequestError(
-                f"stop_token_ids contains {bad_stop[:3]}, outside the vocabulary [0, {self.vocab_size})",
-                "stop_token_ids",
-            )
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name} contains {bad[:3]}, outside the vocabulary [0, {self.vocab_size})", name
+                )
+        if params.structured_outputs is not None:
+            params.structured_outputs.validate()  # llguidance's own check: a 400 naming the problem
         if max_tokens == params.max_tokens and params.min_tokens <= max_tokens:
             return params
         return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
@@ -217,3 +223,29 @@ class InputProcessor:
                 fork_of=first if index else None,
             ))
         return requests
+
+
+def _arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant tool calls with their `arguments` JSON text decoded (chat templates write the
+    arguments with `tojson`, and OpenAI clients send them as text), and an empty content where
+    a message has only calls (templates that know no tools read `content` of every message)."""
+    result = []
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list):
+            message = {**message, "tool_calls": [_decoded_call(call) for call in calls]}
+            if message.get("content") is None:
+                message["content"] = ""
+        result.append(message)
+    return result
+
+
+def _decoded_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call  # not JSON: the template gets the text as it came
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -127,7 +127,8 @@ class ParentRequest:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_cached_tokens: int = 0
-    queue: object | None = None  # where AsyncLLM delivers this request's outputs
+    grammar_compile_time: float | None = None
+    structured_output_kind: str | None = None  # "json", "regex", ... for the metrics
 
     @property
     def finished(self) -> bool:
@@ -141,6 +142,7 @@ class ParentRequest:
             first_token_time=self.first_token_time,
             finished_time=max(finished, default=None) if self.finished else None,
             num_cached_tokens=self.num_cached_tokens,
+            grammar_compile_time=self.grammar_compile_time,
         )
 
 
@@ -166,13 +168,13 @@ class OutputProcessor:
         params: SamplingParams,
         sequence_ids: list[str],
         arrival_time: float,
-        queue: object | None = None,
     ) -> None:
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         sequences = [SequenceState(seq_id, index, self.tokenizer, params) for index, seq_id in enumerate(sequence_ids)]
-        parent = ParentRequest(request_id, prompt, prompt_token_ids, params.output_kind, sequences, arrival_time,
-                               queue=queue)
+        parent = ParentRequest(request_id, prompt, prompt_token_ids, params.output_kind, sequences, arrival_time)
+        if params.structured_outputs is not None:
+            parent.structured_output_kind = params.structured_outputs.kind
         self.parents[request_id] = parent
         for seq in sequences:
             self.sequences[seq.request_id] = (parent, seq)
@@ -227,6 +229,8 @@ class OutputProcessor:
         if parent.first_scheduled_time is None:
             parent.first_scheduled_time = output.first_scheduled_time
         parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
+        if output.grammar_compile_time is not None:
+            parent.grammar_compile_time = output.grammar_compile_time
         stop_string = None
         for position, token_id in enumerate(output.new_token_ids):
             seq.token_ids.append(token_id)
@@ -282,4 +286,5 @@ class OutputProcessor:
             queue_time=queue_time,
             num_prompt_tokens=len(parent.prompt_token_ids),
             num_generation_tokens=sum(len(seq.token_ids) for seq in parent.sequences),
+            structured_output_kind=parent.structured_output_kind,
         ))

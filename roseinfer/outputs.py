@@ -40,6 +40,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first scheduling
+    grammar_compile_time: float | None = None  # structured outputs: seconds its grammar took
 
 
 @dataclass

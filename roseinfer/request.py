@@ -5,9 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from roseinfer.core.messages import EngineCoreRequest
 from roseinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from roseinfer.structured_output import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +69,16 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.num_synced_tokens = 0  # token_ids[:n] are known to the runner
         self.synced_block_ids: list[int] | None = None  # None: the runner does not know it
+        # Structured outputs (core/structured_output_manager.py): the grammar while it compiles,
+        # then this request's place in it, or why it could not compile.
+        self.grammar_future: Future | None = None
+        self.grammar: Grammar | None = None
+        self.grammar_error: str | None = None
+        self.grammar_compile_time: float | None = None
+        # Speculative decoding (core/spec_decode.py): recent drafts and how many were accepted.
+        self.spec_proposed = 0
+        self.spec_accepted = 0
+        self.spec_cooldown = 0
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:

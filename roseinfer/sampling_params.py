@@ -5,8 +5,10 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from roseinfer.errors import InvalidRequestError
+from roseinfer.structured_output.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -47,6 +49,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The output must match this grammar (JSON schema, regex, choice, Lark/GBNF); a dict is read
+    # as vLLM's `structured_outputs` request field.
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, -100..100
     # Derived in __post_init__: the stop strings as a list.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -57,6 +63,8 @@ class SamplingParams:
             self.stop_strings = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.output_kind = RequestOutputKind(self.output_kind)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -106,6 +114,10 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams or a dict")
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -149,3 +161,24 @@ class SamplingParams:
         if not do_sample:
             params.temperature = 0.0
         return params
+
+
+def _checked_logit_bias(bias: Any) -> dict[int, float]:
+    """OpenAI's rule: token ids (ints, or their decimal strings in JSON) to biases in [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias must be an object of token id -> bias", param="logit_bias")
+    checked: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            token_id = -1
+        if isinstance(key, bool) or token_id < 0 or (isinstance(key, str) and not key.strip().isdigit()):
+            raise InvalidRequestError(f"logit_bias key {key!r} is not a token id", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                or not -100 <= value <= 100:
+            raise InvalidRequestError(
+                f"logit_bias[{key}] must be a number in [-100, 100], got {value!r}", param="logit_bias"
+            )
+        checked[token_id] = float(value)
+    return checked

@@ -6,7 +6,17 @@ import argparse
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from roseinfer.bench import compare, offline, prefix_cache, quality, serve
+    from roseinfer.bench import (
+        compare,
+        offline,
+        prefix_cache,
+        quality,
+        scale,
+        serve,
+        single_stream,
+        spec_decode,
+        structured,
+    )
 
     bench = commands.add_parser("bench", help="benchmarks (offline throughput, ...)")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -15,3 +25,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_parser(kinds)
     prefix_cache.add_parser(kinds)
     compare.add_parser(kinds)
+    scale.add_parser(kinds)
+    structured.add_parser(kinds)
+    spec_decode.add_parser(kinds)
+    single_stream.add_parser(kinds)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from roseinfer.config import EngineConfig, ModelConfig
-from roseinfer.layers.attention import AttentionMetadata, PrefillChunk
+from roseinfer.layers.attention import AttentionMetadata, PrefillChunk, causal_mask_with_prefix
 from roseinfer.models.loader import load_model
 from roseinfer.tokenizer import Tokenizer
 
@@ -65,15 +65,31 @@ class ChunkLogits:
         return cls(loaded.model, loaded.config, config.torch_device, config.torch_dtype, max_tokens), loaded.tokenizer
 
     @torch.inference_mode()
-    def __call__(self, token_ids: Sequence[int], rows: slice) -> torch.Tensor:
-        """Logits [len(rows), vocab] (the model's dtype) of positions `rows` of the chunk."""
+    def __call__(self, token_ids: Sequence[int], rows: slice, tokens_per_step: int | None = None) -> torch.Tensor:
+        """Logits [len(rows), vocab] (the model's dtype) of positions `rows` of the chunk. With
+        `tokens_per_step`, the chunk is fed that many tokens at a time (a chunked prefill over the
+        cache so far), so that no layer sees more rows than a decode step of that batch size."""
         count = len(token_ids)
         if not 0 < count <= self.max_tokens:
             raise ValueError(f"a chunk holds 1 to {self.max_tokens} tokens, got {count}")
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        positions = torch.arange(count, device=self.device)
-        block_ids = torch.arange(-(-count // _BLOCK_SIZE), device=self.device)
+        wanted = range(count)[rows]
+        step = tokens_per_step or count
+        logits = []
+        for start in range(0, count, step):
+            end = min(start + step, count)
+            hidden = self._forward(token_ids[start:end], start)
+            take = [i - start for i in wanted if start <= i < end]
+            if take:
+                logits.append(self.model.compute_logits(hidden[take]))
+        return torch.cat(logits)
+
+    def _forward(self, token_ids: Sequence[int], num_cached: int) -> torch.Tensor:
+        """Hidden states of `token_ids` at positions num_cached.., after the cache's first num_cached."""
+        input_ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
+        positions = torch.arange(num_cached, num_cached + len(token_ids), device=self.device)
+        block_ids = torch.arange(-(-(num_cached + len(token_ids)) // _BLOCK_SIZE), device=self.device)
         meta = AttentionMetadata(slot_mapping=positions)
-        meta.prefills.append(PrefillChunk(query_start=0, query_len=count, num_cached=0, block_ids=block_ids))
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        return self.model.compute_logits(hidden[rows])
+        mask = causal_mask_with_prefix(num_cached, len(token_ids), self.device) if num_cached else None
+        meta.prefills.append(PrefillChunk(query_start=0, query_len=len(token_ids), num_cached=num_cached,
+                                          block_ids=block_ids, mask=mask))
+        return self.model(input_ids, positions, self.kv_caches, meta)

@@ -29,7 +29,7 @@ from typing import Any
 
 from roseinfer.bench.serve import run_load
 
-QUANTIZATIONS = ("int8", "int4", "dynamic-int8")
+QUANTIZATIONS = ("int8", "int4")
 
 
 def _free_port() -> int:

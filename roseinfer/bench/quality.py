@@ -36,7 +36,7 @@ from roseinfer.layers.linear import QUANTIZATION_METHODS
 from roseinfer.models.default_model import default_model_path
 
 REFERENCE = Mode("float32", "none")
-DEFAULT_MODES = ["bfloat16+none", "float32+int8", "float32+int4", "float32+dynamic-int8"]
+DEFAULT_MODES = ["bfloat16+none", "float32+int8", "float32+int4"]
 LLAMA_FLOOR = -16.0  # llama.cpp leaves reference log-probabilities at or below this out of its KL
 
 
@@ -46,12 +46,13 @@ class _Entry:
 
     label: str
     model: ChunkLogits
+    tokens_per_step: int | None = None  # None: the whole chunk in one forward
     scores: ScoreAccumulator = field(default_factory=ScoreAccumulator)
     seconds: float = 0.0
 
     def score(self, chunk: list[int], rows: slice, targets: torch.Tensor, reference: torch.Tensor | None) -> torch.Tensor:
         clock = time.perf_counter()
-        candidate = log_probs(self.model(chunk, rows))
+        candidate = log_probs(self.model(chunk, rows, self.tokens_per_step))
         self.seconds += time.perf_counter() - clock
         self.scores.add(candidate, targets, reference)
         return candidate
@@ -139,6 +140,9 @@ def run_quality(args: argparse.Namespace) -> int:
     entries = [_Entry(f"{REFERENCE} (reference)", reference)] + [
         _Entry(str(mode), ChunkLogits.load(args.model, args.tokenizer, args.device, mode, n_ctx)[0]) for mode in modes
     ]
+    if args.decode_rows:  # the same models again, fed as decode steps of that many rows are
+        entries += [_Entry(f"{entry.label}, {args.decode_rows} rows a step", entry.model, args.decode_rows)
+                    for entry in entries[1:]]
     for entry in entries:  # first calls build kernels: keep them out of the times
         entry.model(chunks[0][:32], slice(0, 1))
     cross_check = ScoreAccumulator()
@@ -209,6 +213,9 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
                         help="UTF-8 text to score (default: the shipped State of the Union addresses)")
     parser.add_argument("--ctx-size", type=_at_least(4), default=512, help="tokens per chunk (llama-perplexity's -c)")
     parser.add_argument("--chunks", type=_at_least(1), default=None, help="score only the first N chunks")
+    parser.add_argument("--decode-rows", type=_at_least(0), default=16, metavar="N",
+                        help="also score each mode fed N tokens a step, so that every layer runs the kernels "
+                             "of a decode step of N requests (0: only whole-chunk prefills; default 16)")
     parser.add_argument("--llama-perplexity", type=Path, default=None, metavar="PATH",
                         help="llama.cpp's llama-perplexity binary: put its figures beside ours")
     parser.add_argument("--llama-f32-gguf", type=Path, default=None, metavar="PATH",

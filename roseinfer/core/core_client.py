@@ -96,7 +96,7 @@ class ThreadedEngineCoreClient(EngineCoreClient):
             on_dead(f"the engine loop stopped: {type(exc).__name__}: {exc}")
             return
         if not self._stopping:
-            on_dead("the engine loop stopped")
+            on_dead(self.engine_core.dead_reason or "the engine loop stopped")
 
     def _send(self, kind: str, payload: object) -> None:
         self._inputs.put((kind, payload))

@@ -11,6 +11,7 @@ its own (AsyncLLM, see core_client.py and engine_core_proc.py).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Iterable
@@ -25,6 +26,8 @@ from roseinfer.core.messages import (
     SchedulerOutput,
 )
 from roseinfer.core.scheduler import Scheduler
+from roseinfer.core.structured_output_manager import StructuredOutputManager
+from roseinfer.errors import EngineDeadError, ExecutorFailedError
 from roseinfer.executor import Executor, executor_class
 from roseinfer.request import Request, RequestStatus
 from roseinfer.step_timings import PhaseClock, StepTimings
@@ -39,11 +42,18 @@ class EngineCore:
         started = time.perf_counter()
         self.executor = executor or executor_class(config)(config, model_config, self.timings)
         self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.structured_output_manager = StructuredOutputManager(config, model_config)
+        self.scheduler = Scheduler(
+            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.structured_output_manager,
+            config.speculative_config,
+        )
+        self.dead_reason: str | None = None  # set when the executor failed: no step can run again
         logger.debug("engine core ready in %.1fs", time.perf_counter() - started)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine cannot run requests: {self.dead_reason}")
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
@@ -65,13 +75,22 @@ class EngineCore:
         failed: list[EngineCoreOutput] = []
         if scheduler_output.empty:
             runner_output = ModelRunnerOutput()
+            pending = self.scheduler.waiting_for_grammars()
+            if pending and not self.scheduler.running:  # nothing can run until one compiles
+                concurrent.futures.wait([r.grammar_future for r in pending], timeout=0.05,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
         else:
             try:
                 runner_output = self.executor.execute_model(scheduler_output)
+            except ExecutorFailedError as exc:  # a worker is gone: nothing can run any more
+                return self.fail_all(str(exc))
             except Exception:
                 logger.exception("a model step of %d requests failed; running it again in parts to find "
                                  "the requests that fail it", len(scheduler_output.num_scheduled_tokens))
-                runner_output, failed = self._isolate_failure(scheduler_output)
+                try:
+                    runner_output, failed = self._isolate_failure(scheduler_output)
+                except ExecutorFailedError as exc:
+                    return self.fail_all(str(exc))
             clock.last = time.perf_counter()  # the executor timed its own phases
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.outputs.extend(failed)
@@ -91,6 +110,8 @@ class EngineCore:
             group = pending.pop()
             try:
                 parts.append(self.executor.execute_model(self.scheduler.replay_output(scheduler_output, group)))
+            except ExecutorFailedError:
+                raise
             except Exception as exc:
                 if len(group) > 1:
                     pending.extend(_halves(group))
@@ -103,8 +124,20 @@ class EngineCore:
                    for r in failed]
         return _merge(parts), outputs
 
+    def fail_all(self, reason: str) -> EngineCoreOutputs:
+        """The executor failed: end every request with an error and refuse new ones."""
+        logger.error("the executor failed (%s); ending all %d requests", reason, len(self.scheduler.requests))
+        self.dead_reason = reason
+        return self._fail(list(self.scheduler.requests), reason)
+
+    def _fail(self, request_ids: Iterable[str], message: str) -> EngineCoreOutputs:
+        failed = self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ERROR)
+        outputs = [EngineCoreOutput(r.request_id, [], finish_reason="error", error=message) for r in failed]
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.structured_output_manager.shutdown()
 
 
 def _halves(req_ids: list[str]) -> list[list[str]]:

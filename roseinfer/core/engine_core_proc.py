@@ -29,6 +29,7 @@ ADD = "add"  # payload: list[EngineCoreRequest]
 ABORT = "abort"  # payload: list[str]
 RESET_PREFIX_CACHE = "reset_prefix_cache"
 SHUTDOWN = "shutdown"
+EXECUTOR_FAILED = "executor_failed"  # payload: the reason (from the executor's watcher thread)
 # The first message out of an engine-core process: ("ready", None) or ("failed", message).
 READY, FAILED = "ready", "failed"
 
@@ -39,6 +40,7 @@ class EngineCoreLoop:
         self.inputs = inputs
         self.emit = emit
         self.running = True
+        core.executor.register_failure_callback(lambda reason: inputs.put((EXECUTOR_FAILED, reason)))
 
     def run(self) -> None:
         core = self.core
@@ -53,6 +55,8 @@ class EngineCoreLoop:
                 break
             if core.has_unfinished_requests():
                 self.emit(self._step())
+                if core.dead_reason is not None:  # the executor failed: its requests have ended
+                    self.running = False
             elif changed:  # aborts freed blocks: the stats snapshot must say so
                 self.emit(EngineCoreOutputs([], core.scheduler.make_stats()))
 
@@ -66,6 +70,9 @@ class EngineCoreLoop:
         elif kind == RESET_PREFIX_CACHE:
             self.core.reset_prefix_cache()
         elif kind == SHUTDOWN:
+            self.running = False
+        elif kind == EXECUTOR_FAILED:
+            self.emit(self.core.fail_all(payload))
             self.running = False
         else:
             logger.error("engine core: unknown message %r", kind)

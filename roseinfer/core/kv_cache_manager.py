@@ -228,6 +228,16 @@ class KVCacheManager:
         if parent_id in self._keys:
             self._keys[child_id] = list(self._keys[parent_id])
 
+    def free_tail(self, request_id: str, num_tokens: int) -> None:
+        """Free the request's blocks past the first `num_tokens` tokens (rejected draft tokens'
+        blocks). Those blocks were never registered in the prefix cache: only computed ones are."""
+        table = self.block_tables.get(request_id)
+        keep = self.blocks_for_tokens(num_tokens)
+        if table and len(table) > keep:
+            tail = table[keep:]
+            del table[keep:]
+            self.pool.decref(tail)
+
     def free(self, request_id: int) -> None:
         table = self.block_tables.pop(request_id, None)
         self._keys.pop(request_id, None)

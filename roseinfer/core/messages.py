@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from roseinfer.outputs import TokenLogprob
 from roseinfer.sampling_params import SamplingParams
 
@@ -45,6 +47,7 @@ class EngineCoreOutput:
     error: str | None = None  # with finish_reason "error": what went wrong
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held at first scheduling
     first_scheduled_time: float | None = None  # time.monotonic() when it first ran
+    grammar_compile_time: float | None = None  # structured outputs: seconds its grammar took
 
     @property
     def finished(self) -> bool:
@@ -64,6 +67,8 @@ class SchedulerStats:
     max_batch_requests: int = 0  # the most requests one step has run together
     num_steps: int = 0
     num_scheduled_tokens: int = 0  # tokens run through the model, since start
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified, since start
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass
@@ -105,6 +110,13 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the step
     finished_req_ids: list[str] = field(default_factory=list)  # the runner forgets these
+    # Structured outputs: the allowed next tokens of the constrained requests that sample this
+    # step, one int32 row of bits each (bit t set: token t allowed), and request id -> row.
+    grammar_bitmask: np.ndarray | None = None
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: draft tokens to verify after a request's last token (counted in
+    # num_scheduled_tokens); the runner returns the accepted ones and one more.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:

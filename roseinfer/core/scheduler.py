@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+from roseinfer.config import SpeculativeConfig
 from roseinfer.core.kv_cache_manager import KVCacheManager
 from roseinfer.core.messages import (
     CachedRequestData,
@@ -26,13 +27,24 @@ from roseinfer.core.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+from roseinfer.core.spec_decode import NgramProposer
+from roseinfer.core.structured_output_manager import StructuredOutputManager
 from roseinfer.outputs import TokenLogprob
 from roseinfer.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        structured_output_manager: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
+    ) -> None:
         self.kv_cache = kv_cache
+        self.structured_output = structured_output_manager
+        self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -42,7 +54,9 @@ class Scheduler:
         # blocks (parent request id -> siblings) instead of computing the same prompt again.
         self._awaiting_fork: dict[str, list[Request]] = {}
         self._finished_req_ids: list[str] = []  # the runner knew them; told at the next schedule
+        self._error_outputs: list[EngineCoreOutput] = []  # ended while scheduling (a bad grammar)
         self._preempted_this_step = False
+        self._unschedulable: Request | None = None  # found too big for the whole pool this step
         self.stats = SchedulerStats()
 
     # -- queues ---------------------------------------------------------------------------
@@ -53,6 +67,10 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("this scheduler has no structured-output manager")
+            self.structured_output.add_request(request)
         parent = self.requests.get(request.fork_of) if request.fork_of is not None else None
         if parent is not None and parent.status == RequestStatus.WAITING and not parent.num_computed_tokens:
             self._awaiting_fork.setdefault(parent.request_id, []).append(request)
@@ -110,26 +128,49 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         budget = self.max_num_batched_tokens
         self._preempted_this_step = False
+        self._unschedulable = None
 
         # Running requests first, oldest first; preempt from the newest end when blocks run out.
+        # A decoding request may add draft tokens to verify (speculative decoding).
+        spec: dict[str, list[int]] = {}
+        speculate = self.proposer is not None and len(self.running) <= self.proposer.config.disable_by_batch_size
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new):
+            drafts = []
+            if speculate and num_new == 1:
+                room = min(request.max_tokens - request.num_output_tokens - 1, budget - 1)
+                drafts = self.proposer.propose(request, room)
+            if not self._allocate_or_preempt(request, num_new + len(drafts)):
                 break  # the request itself was preempted: nothing after it is left running
-            scheduled.append((request, num_new))
-            budget -= num_new
+            if drafts:
+                spec[request.request_id] = drafts
+            scheduled.append((request, num_new + len(drafts)))
+            budget -= num_new + len(drafts)
             index += 1
 
-        # Then waiting requests, in arrival order, while seats, budget and blocks allow.
+        # Then waiting requests, in arrival order, while seats, budget and blocks allow; a request
+        # whose grammar is still compiling is passed over, keeping its place in the queue.
         # After a preemption nothing new is admitted: the pool is already too tight.
+        passed_over: list[Request] = []
         while not self._preempted_this_step and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             request = self.waiting[0]
+            if self.structured_output is not None and not self.structured_output.is_ready(request):
+                passed_over.append(self.waiting.popleft())
+                continue
+            if request.grammar_error is not None:
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                self._error_outputs.append(EngineCoreOutput(
+                    request.request_id, [], finish_reason="error", error=request.grammar_error
+                ))
+                continue
             cached = self.kv_cache.find_cached_prefix(request.token_ids)
             num_cached = len(cached) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(request.request_id, num_cached, num_new, cached):
+                if not self.running:  # nothing will ever free blocks for it
+                    self._unschedulable = request
                 break
             self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
@@ -140,8 +181,11 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(passed_over))
 
-        return self._scheduler_output(scheduled)
+        out = self._scheduler_output(scheduled)
+        out.scheduled_spec_decode_tokens = spec
+        return out
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
         while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
@@ -162,10 +206,15 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def stuck_request(self) -> Request | None:
-        """A waiting request that can never run: nothing is running to free blocks for it."""
-        if self.waiting and not self.running:
-            return self.waiting[0]
+        """A waiting request that can never run: the last schedule found no room for it with
+        nothing running that could free blocks."""
+        request = self._unschedulable
+        if request is not None and request.status == RequestStatus.WAITING and not self.running:
+            return request
         return None
+
+    def waiting_for_grammars(self) -> list[Request]:
+        return [r for r in self.waiting if r.grammar_future is not None and not r.grammar_future.done()]
 
     def _scheduler_output(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
@@ -189,6 +238,9 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = num_new
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.blocks_to_copy = [(c.src, c.dst) for c in self.kv_cache.take_pending_copies()]
+        if self.structured_output is not None:
+            sampling = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]
+            out.grammar_bitmask, out.structured_output_request_ids = self.structured_output.bitmask(sampling)
         if scheduled:
             stats = self.stats
             stats.num_steps += 1
@@ -219,6 +271,13 @@ class Scheduler:
             out.scheduled_new_reqs.append(self._new_request_data(request, self.kv_cache.block_table(req_id)))
             out.num_scheduled_tokens[req_id] = scheduled.num_scheduled_tokens[req_id]
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        constrained = [r for r in req_ids if r in scheduled.structured_output_request_ids]
+        if scheduled.grammar_bitmask is not None and constrained:  # their rows of the step's bitmask
+            out.grammar_bitmask = scheduled.grammar_bitmask[[scheduled.structured_output_request_ids[r]
+                                                             for r in constrained]]
+            out.structured_output_request_ids = {r: row for row, r in enumerate(constrained)}
+        out.scheduled_spec_decode_tokens = {r: scheduled.scheduled_spec_decode_tokens[r] for r in req_ids
+                                            if r in scheduled.scheduled_spec_decode_tokens}
         return out
 
     # -- after the step ---------------------------------------------------------------------
@@ -227,7 +286,7 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Record the computed tokens, append the samples, stop and free finished requests."""
         sampled = {req_id: row for row, req_id in enumerate(runner_output.req_ids)}
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._error_outputs = self._error_outputs, []
         stuck = self.stuck_request() if scheduler_output.empty else None
         if stuck is not None:  # it ends with an error instead of stalling the engine
             self._finish(stuck, RequestStatus.FINISHED_ERROR)
@@ -240,28 +299,50 @@ class Scheduler:
             if request is None:  # aborted while the step ran
                 continue
             request.num_computed_tokens += num_new
-            self.kv_cache.cache_computed_blocks(req_id, request.token_ids, request.num_computed_tokens)
-            if req_id in self._awaiting_fork and request.num_computed_tokens >= request.num_prompt_tokens:
-                self._fork_siblings(request)
             row = sampled.get(req_id)
+            new_tokens = runner_output.sampled_token_ids[row] if row is not None else []
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:  # the rejected drafts' K/V are not the sequence's: roll them back
+                accepted = max(len(new_tokens) - 1, 0)
+                request.num_computed_tokens -= len(drafts) - accepted
+                self.kv_cache.free_tail(req_id, request.num_computed_tokens)
+                self.proposer.record(request, len(drafts), accepted)
+                self.stats.num_draft_tokens += len(drafts)
+                self.stats.num_accepted_tokens += accepted
+            output = status = None
             if row is not None:
                 logprobs = runner_output.logprobs[row] if runner_output.logprobs is not None else None
-                outputs.append(self._append_samples(request, runner_output.sampled_token_ids[row], logprobs))
+                output, status = self._append_samples(request, new_tokens, logprobs)
+            computed = min(request.num_computed_tokens, request.num_tokens)  # a stop drops later drafts
+            self.kv_cache.cache_computed_blocks(req_id, request.token_ids, computed)
+            if req_id in self._awaiting_fork and request.num_computed_tokens >= request.num_prompt_tokens:
+                self._fork_siblings(request)
+            if status is not None:
+                self._finish(request, status)
+            if output is not None:
+                outputs.append(output)
         return EngineCoreOutputs(outputs, self.make_stats())
 
     def _append_samples(
         self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob] | None
-    ) -> EngineCoreOutput:
+    ) -> tuple[EngineCoreOutput, RequestStatus | None]:
+        """Append sampled tokens up to the first that ends the request; the caller finishes it."""
         params = request.sampling_params
         appended = 0
         status = None
+        error = None
         for token_id in token_ids:
             request.token_ids.append(token_id)
             appended += 1
-            if token_id in request.eos_token_ids and not params.ignore_eos:
+            grammar = request.grammar
+            if grammar is not None and not grammar.accept_tokens([token_id]):
+                status, error = RequestStatus.FINISHED_ERROR, f"structured output: {grammar.error}"
+            elif token_id in request.eos_token_ids and not params.ignore_eos:
                 status = RequestStatus.FINISHED_STOPPED
             elif token_id in params.stop_token_ids:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+            elif grammar is not None and grammar.is_terminated():  # the output is complete
+                status = RequestStatus.FINISHED_STOPPED
             elif request.num_output_tokens >= request.max_tokens:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
@@ -272,11 +353,11 @@ class Scheduler:
             logprobs[:appended] if logprobs is not None else None,
             num_cached_tokens=request.num_cached_tokens,
             first_scheduled_time=request.first_scheduled_time,
+            grammar_compile_time=request.grammar_compile_time,
         )
         if status is not None:
-            self._finish(request, status)
-            output.finish_reason, output.stop_reason = status.value, request.stop_reason
-        return output
+            output.finish_reason, output.stop_reason, output.error = status.value, request.stop_reason, error
+        return output, status
 
     def _fork_siblings(self, parent: Request) -> None:
         """Each sibling shares the parent's blocks and recomputes only the last prompt token (for

@@ -16,6 +16,7 @@ import numpy as np
 from roseinfer.core import messages
 from roseinfer.outputs import TokenLogprob
 from roseinfer.sampling_params import SamplingParams
+from roseinfer.structured_output.params import StructuredOutputsParams
 
 _DATACLASS = 1
 _NDARRAY = 2
@@ -26,6 +27,7 @@ _CLASSES: dict[str, type] = {
         messages.EngineCoreRequest, messages.EngineCoreOutput, messages.EngineCoreOutputs,
         messages.SchedulerStats, messages.SchedulerOutput, messages.NewRequestData,
         messages.CachedRequestData, messages.ModelRunnerOutput, SamplingParams, TokenLogprob,
+        StructuredOutputsParams,
     )
 }
 _FIELDS = {name: [f.name for f in dataclasses.fields(cls) if f.init] for name, cls in _CLASSES.items()}

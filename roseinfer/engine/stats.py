@@ -20,6 +20,7 @@ class FinishedRequestStats:
     queue_time: float | None  # arrival to first scheduling
     num_prompt_tokens: int
     num_generation_tokens: int
+    structured_output_kind: str | None = None  # "json", "regex", "choice", "grammar", "json_object"
 
 
 @dataclass

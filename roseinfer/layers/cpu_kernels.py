@@ -4,6 +4,9 @@
   then runs SDPA over it, reading the KV cache three times; the kernel reads it once, straight
   through the block tables (2-3x faster at batch 64 here).
 - RMSNorm and the residual add before it in one pass (PyTorch runs ~6 small kernels for them).
+- Linear layers with GGUF-style blocked weights (4-bit and 8-bit blocks of 32) for small batches,
+  expanded in registers against float activations (see quant_linear_cpu.cpp).
+- A whole decode step of a Llama-family model with such weights in one call (llama_decode_cpu.cpp).
 
 Building needs a C++ compiler and takes ~30 s once; the result is cached by PyTorch
 (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where it cannot be built the engine
@@ -24,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("bindings.cpp", "paged_attention_cpu.cpp", "norm_cpu.cpp")
+    for name in ("bindings.cpp", "paged_attention_cpu.cpp", "norm_cpu.cpp", "quant_linear_cpu.cpp",
+                 "llama_decode_cpu.cpp")
 ]
 # -march=native: the build is for this CPU; its name carries the CPU's feature flags so a cache
 # shared with another machine never loads code built for different instructions.
@@ -44,16 +48,25 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
 
 
+def _source_fingerprint() -> str:
+    """Changes with any source or header, so an edited header rebuilds the module too (PyTorch
+    tracks the listed sources only) and two checkouts' different kernels never share a build."""
+    digest = hashlib.sha1()
+    for path in sorted((Path(__file__).parent / "csrc").iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
-    """The compiled module (`paged_decode_attention`, `rms_norm`, `fused_add_rms_norm`), or None
+    """The compiled module (`paged_decode_attention`, `rms_norm`, `fused_add_rms_norm`, `q4_linear`, ...), or None
     where it cannot be built."""
     try:
         from torch.utils.cpp_extension import load
 
         started = time.perf_counter()
         module = load(
-            name=f"roseinfer_cpu_kernels_{_cpu_fingerprint()}",
+            name=f"roseinfer_cpu_kernels_{_cpu_fingerprint()}_{_source_fingerprint()}",
             sources=[str(source) for source in _SOURCES],
             extra_cflags=_FLAGS,
             verbose=False,

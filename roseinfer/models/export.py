@@ -66,6 +66,12 @@ def export_gguf_to_hf(gguf_path: Path | None, output: Path) -> Path:
     (output / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": config.eos_token_ids}, indent=2
     ))
+    write_hf_tokenizer(tokenizer, config.max_position_embeddings, output)
+    return output
+
+
+def write_hf_tokenizer(tokenizer: Tokenizer, max_length: int, output: Path) -> None:
+    """tokenizer.json and tokenizer_config.json (with the chat template) into `output`."""
     tokenizer.backend.save(str(output / "tokenizer.json"))
     (output / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -73,7 +79,6 @@ def export_gguf_to_hf(gguf_path: Path | None, output: Path) -> Path:
         "eos_token": tokenizer.eos_token,
         "add_bos_token": tokenizer.add_bos_token,
         "chat_template": tokenizer.chat_template,
-        "model_max_length": config.max_position_embeddings,
+        "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
     }, indent=2))
-    return output

@@ -1,7 +1,10 @@
 """GPT-2 in plain PyTorch: learned positions, LayerNorm, fused q/k/v with biases, GELU MLP.
 
 Parameters use Hugging Face's GPT2LMHeadModel names; its Conv1D matrices are stored transposed
-(`[in, out]`), so `load_weights` transposes them into `nn.Linear` layout.
+(`[in, out]`), so `load_weights` transposes them into `nn.Linear` layout. Under tensor parallelism
+(see layers/parallel.py) each rank builds only its heads, MLP columns and vocabulary rows;
+`load_weights` takes its slice of each tensor, and the biases of the two row-parallel projections
+are added on rank 0 only (the all-reduce would add them once per rank).
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.config import ModelConfig
+from roseinfer.distributed.parallel_state import get_tp_group
+from roseinfer.distributed.partition import partition
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
+from roseinfer.layers.parallel import VocabParallelEmbedding, gather_logits, take_shard
 from roseinfer.models.weights import WeightLoader
 
 _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -23,37 +29,53 @@ _GELU_APPROXIMATION = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": 
 class GPT2Block(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.tp = get_tp_group()
         hidden = config.hidden_size
-        self.hidden_size = hidden
-        self.num_heads = config.num_heads
+        first_head, self.num_heads = partition(config.num_heads, self.tp.size, self.tp.rank)
         self.head_dim = config.head_dim
+        self.attn_start, self.attn_size = first_head * config.head_dim, self.num_heads * config.head_dim
+        self.mlp_start, self.mlp_size = partition(config.intermediate_size, self.tp.size, self.tp.rank)
         self.ln_1 = nn.LayerNorm(hidden, eps=config.norm_eps)
         self.attn = nn.Module()
-        self.attn.c_attn = nn.Linear(hidden, 3 * hidden)
-        self.attn.c_proj = nn.Linear(hidden, hidden)
-        self.attn.paged = PagedAttention(
-            config.num_heads, config.num_heads, config.head_dim, config.head_dim**-0.5
-        )
+        self.attn.c_attn = nn.Linear(hidden, 3 * self.attn_size)  # column-parallel
+        self.attn.c_proj = nn.Linear(self.attn_size, hidden)  # row-parallel
+        self.attn.paged = PagedAttention(self.num_heads, self.num_heads, config.head_dim, config.head_dim**-0.5)
         self.ln_2 = nn.LayerNorm(hidden, eps=config.norm_eps)
         self.mlp = nn.Module()
-        self.mlp.c_fc = nn.Linear(hidden, config.intermediate_size)
-        self.mlp.c_proj = nn.Linear(config.intermediate_size, hidden)
+        self.mlp.c_fc = nn.Linear(hidden, self.mlp_size)  # column-parallel
+        self.mlp.c_proj = nn.Linear(self.mlp_size, hidden)  # row-parallel
         self.gelu_approximation = _GELU_APPROXIMATION[config.hidden_act]
 
     def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         shape = (num_tokens, self.num_heads, self.head_dim)
-        q, k, v = self.attn.c_attn(self.ln_1(hidden)).split(self.hidden_size, dim=-1)
+        q, k, v = self.attn.c_attn(self.ln_1(hidden)).split(self.attn_size, dim=-1)
         out = self.attn.paged(q.view(shape), k.view(shape), v.view(shape), kv_cache, meta)
-        hidden = hidden + self.attn.c_proj(out.view(num_tokens, self.hidden_size))
+        hidden = hidden + self.tp.all_reduce(self.attn.c_proj(out.view(num_tokens, self.attn_size)))
         mlp = F.gelu(self.mlp.c_fc(self.ln_2(hidden)), approximate=self.gelu_approximation)
-        return hidden + self.mlp.c_proj(mlp)
+        return hidden + self.tp.all_reduce(self.mlp.c_proj(mlp))
+
+    def shard(self, suffix: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of one of the block's checkpoint tensors (`suffix` as "attn.c_attn.weight",
+        already in nn.Linear layout)."""
+        if suffix.startswith("attn.c_attn."):  # [q; k; v] rows: this rank's heads of each
+            parts = tensor.split(tensor.shape[0] // 3)
+            return torch.cat([take_shard(part, 0, self.attn_start, self.attn_size) for part in parts])
+        if suffix == "mlp.c_fc.weight" or suffix == "mlp.c_fc.bias":
+            return take_shard(tensor, 0, self.mlp_start, self.mlp_size)
+        if suffix == "attn.c_proj.weight":
+            return take_shard(tensor, 1, self.attn_start, self.attn_size)
+        if suffix == "mlp.c_proj.weight":
+            return take_shard(tensor, 1, self.mlp_start, self.mlp_size)
+        if suffix in ("attn.c_proj.bias", "mlp.c_proj.bias") and not self.tp.is_first:
+            return torch.zeros_like(tensor)  # added once, on rank 0, before the all-reduce
+        return tensor
 
 
 class GPT2Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
@@ -63,8 +85,10 @@ class GPT2LMHeadModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.tp = get_tp_group()
         self.transformer = GPT2Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.vocab = self.transformer.wte.shard  # this rank's vocabulary rows
+        self.lm_head = nn.Linear(config.hidden_size, self.vocab.rows, bias=False)
 
     def forward(
         self,
@@ -78,8 +102,9 @@ class GPT2LMHeadModel(nn.Module):
             hidden = block(hidden, kv_cache, meta)
         return self.transformer.ln_f(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the whole vocabulary on rank 0 (None on the other ranks)."""
+        return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)
@@ -90,6 +115,11 @@ class GPT2LMHeadModel(nn.Module):
                 continue  # causal-mask buffers of old checkpoints; the head is tied
             if name.endswith(_CONV1D_SUFFIXES):
                 tensor = tensor.t()
+            if name == "transformer.wte.weight":
+                tensor = self.vocab.of(tensor)
+            elif name.startswith("transformer.h."):
+                _, _, layer, suffix = name.split(".", 3)
+                tensor = self.transformer.h[int(layer)].shard(suffix, tensor)
             loader.load(name, tensor)
         self.lm_head.weight = self.transformer.wte.weight
         loader.mark_loaded("lm_head.weight")

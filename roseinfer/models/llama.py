@@ -1,7 +1,9 @@
 """The Llama family in plain PyTorch: Llama, Mistral, SmolLM, Qwen2 (q/k/v biases), Qwen3 (q/k norms).
 
 Parameters use Hugging Face names, except that q/k/v and gate/up are each fused into one matrix
-(fewer, larger matrix products); `load_weights` does the fusing.
+(fewer, larger matrix products); `load_weights` does the fusing. Under tensor parallelism (see
+layers/parallel.py) each rank builds only its heads, MLP columns and vocabulary rows, and
+`load_weights` takes only its slice of each checkpoint tensor.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.config import ModelConfig
+from roseinfer.distributed.parallel_state import get_tp_group
+from roseinfer.distributed.partition import partition
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
 from roseinfer.layers.norm import RMSNorm
+from roseinfer.layers.parallel import VocabParallelEmbedding, gather_logits, take_shard
 from roseinfer.layers.rotary import (
     RotaryEmbedding,
     apply_rotary,
@@ -27,22 +32,25 @@ from roseinfer.models.weights import WeightLoader
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = get_tp_group()
+        # This rank's KV heads, and the query heads that share them.
+        first_kv_head, self.num_kv_heads = partition(config.num_kv_heads, self.tp.size, self.tp.rank)
+        group = config.num_heads // config.num_kv_heads
+        self.num_heads = self.num_kv_heads * group
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
+        self.q_start = first_kv_head * group * config.head_dim  # rows of the checkpoint's q_proj
+        self.kv_start = first_kv_head * config.head_dim  # rows of its k_proj and v_proj
+        self.qkv_proj = nn.Linear(  # column-parallel
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)  # row-parallel
         self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
-        self.attn = PagedAttention(
-            config.num_heads, config.num_kv_heads, config.head_dim, config.head_dim**-0.5
-        )
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, config.head_dim, config.head_dim**-0.5)
 
     def forward(
         self,
@@ -60,19 +68,20 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rotations), apply_rotary(k, rotations)
         out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.tp = get_tp_group()
+        self.start, self.intermediate_size = partition(config.intermediate_size, self.tp.size, self.tp.rank)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)  # column-parallel
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)  # row-parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -105,7 +114,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaBackbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
@@ -114,8 +123,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.tp = get_tp_group()
         self.model = LlamaBackbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.vocab = self.model.embed_tokens.shard  # this rank's vocabulary rows
+        self.lm_head = nn.Linear(config.hidden_size, self.vocab.rows, bias=False)
         self.rotary = RotaryEmbedding(
             rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         )
@@ -135,19 +146,31 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, rotations, kv_cache, meta)
         return self.model.norm.add_and_norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the whole vocabulary on rank 0 (None on the other ranks)."""
+        return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up into their shared matrices
-        and putting q/k rows (and q/k norms) in the interleaved rotary layout."""
+        and putting q/k rows (and q/k norms) in the interleaved rotary layout; with tensor
+        parallelism, only this rank's slice of each."""
         attn = self.model.layers[0].self_attn
+        mlp = self.model.layers[0].mlp
+        tp_slices = {  # HF module name -> (dim, start, size) of this rank's part
+            "q_proj": (0, attn.q_start, attn.q_size),
+            "k_proj": (0, attn.kv_start, attn.kv_size),
+            "v_proj": (0, attn.kv_start, attn.kv_size),
+            "o_proj": (1, attn.q_start, attn.q_size),
+            "gate_proj": (0, mlp.start, mlp.intermediate_size),
+            "up_proj": (0, mlp.start, mlp.intermediate_size),
+            "down_proj": (1, mlp.start, mlp.intermediate_size),
+        }
         shards = {  # HF module name -> (fused module name, first row in the fused matrix)
             "q_proj": ("qkv_proj", 0),
             "k_proj": ("qkv_proj", attn.q_size),
             "v_proj": ("qkv_proj", attn.q_size + attn.kv_size),
             "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", self.config.intermediate_size),
+            "up_proj": ("gate_up_proj", mlp.intermediate_size),
         }
         loader = WeightLoader(self)
         for name, tensor in weights:
@@ -161,6 +184,12 @@ class LlamaForCausalLM(nn.Module):
                 tensor = interleave_rotary_rows(tensor, self.config.num_heads if module == "q_proj" else 1)
             elif module in ("k_proj", "k_norm"):
                 tensor = interleave_rotary_rows(tensor, self.config.num_kv_heads if module == "k_proj" else 1)
+            if module in tp_slices:
+                dim, start, size = tp_slices[module]
+                # A 1-D tensor here is a q/k/v bias (Qwen2): cut like its rows.
+                tensor = take_shard(tensor, dim if tensor.dim() == 2 else 0, start, size)
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                tensor = self.vocab.of(tensor)
             shard = shards.get(module)
             if shard is None:
                 loader.load(name, tensor)

@@ -6,6 +6,8 @@ checkpoint file with a tokenizer directory.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -139,9 +141,22 @@ def _safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_model_weights(config: EngineConfig, model_config: ModelConfig) -> nn.Module:
     """The model of `config.model` with its weights, on the configured device, dtype and kernels."""
     source = ModelSource.resolve(config.model, config.tokenizer)
-    return build_model(
+    model = build_model(
         model_config, source.weights(model_config), config.torch_device, config.torch_dtype, config.quantization
     )
+    del source
+    release_free_memory()
+    return model
+
+
+def release_free_memory() -> None:
+    """Give the heap pages that loading freed (file buffers, dequantized copies) back to the
+    system: without it they stay in the process's resident memory (~0.2 GB for the default model)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def load_model(

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 import socket
+import sys
 from collections.abc import Callable, Iterator
 
 logger = logging.getLogger("roseinfer.server")
@@ -24,6 +25,8 @@ DEFAULT_MAX_STOP_CHARS = 512
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
+    from roseinfer.tool_parsers import TOOL_PARSERS
+
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     group.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -33,6 +36,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "and /metrics")
     group.add_argument("--protect-metrics", action="store_true",
                        help="with --api-key, require the key on /health and /metrics too")
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help='how the model writes tool calls, for tool_choice "auto" (hermes: Qwen2.5/Qwen3\'s '
+                            '<tool_call> JSON; llama3_json: Llama 3\'s JSON); "required" and named tool choices '
+                            "need none")
     group.add_argument("--disable-web-ui", action="store_true",
                        help="do not serve the chat page at / (it is on by default)")
     group.add_argument("--max-queue-len", type=int, default=None,
@@ -58,6 +65,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
                         help="seconds a request may run from arrival to its last token before it is aborted "
                              f"with a 408 (or an error event); 0 for none (default {DEFAULT_REQUEST_TIMEOUT:g})")
+    from roseinfer.server.data_parallel import add_data_parallel_args
+
+    add_data_parallel_args(parser)
 
 
 def _server_class():
@@ -102,10 +112,18 @@ def run_server(args: argparse.Namespace) -> int:
     from roseinfer.engine.async_llm import AsyncLLM
     from roseinfer.engine.stats import LoggingStatLogger
     from roseinfer.errors import RoseInferError
+    from roseinfer.executor.local_workers import run_worker_host_if_asked
     from roseinfer.input_processor import RequestLimits, longest_prompt_chars
     from roseinfer.server.app import create_app
     from roseinfer.server.metrics import PrometheusStatLogger
 
+    if args.data_parallel_size > 1:
+        from roseinfer.server.data_parallel import run_data_parallel
+
+        return run_data_parallel(args, getattr(args, "argv", sys.argv[1:]))
+    exit_code = run_worker_host_if_asked(EngineConfig.from_cli_args(args))
+    if exit_code is not None:  # a host without the engine: only its tensor-parallel workers ran
+        return exit_code
     for flag in ("max_queue_len", "max_request_body_bytes", "max_prompt_chars", "max_stop", "max_stop_chars"):
         _check_positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if args.request_timeout < 0:
@@ -120,10 +138,14 @@ def run_server(args: argparse.Namespace) -> int:
         max_prompt_chars=args.max_prompt_chars or longest_prompt_chars(engine.tokenizer, engine.max_model_len),
         max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
     )
-    metrics = PrometheusStatLogger(engine.model_name, lambda: engine.scheduler_stats, lambda: engine.num_waiting)
+    metrics = PrometheusStatLogger(
+        engine.model_name, lambda: engine.scheduler_stats, lambda: engine.num_waiting,
+        cache_config={"block_size": engine.config.block_size, "num_gpu_blocks": engine.config.num_kv_blocks},
+    )
     engine.stat_loggers.append(metrics)
     app = create_app(engine, metrics, args.served_model_name, args.api_key, enable_web_ui=not args.disable_web_ui,
-                     max_body_bytes=args.max_request_body_bytes, protect_metrics=args.protect_metrics)
+                     tool_call_parser=args.tool_call_parser, max_body_bytes=args.max_request_body_bytes,
+                     protect_metrics=args.protect_metrics)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH_SECONDS,

@@ -1,8 +1,9 @@
 """The HTTP server: FastAPI routes, OpenAI-style errors, API keys, and `roseinfer serve`.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /generate (the seed's), GET /metrics (Prometheus). With an API key every route but the chat
-page, /health and /metrics needs it (those two too with `protect_metrics`).
+POST /generate (the seed's), GET /metrics (Prometheus), GET /get_load (for load balancers). With an
+API key every route but the chat page, /health and /metrics needs it (those two too with
+`protect_metrics`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from roseinfer.server.metrics import CONTENT_TYPE, PrometheusStatLogger
 from roseinfer.server.middleware import ApiKeyGuard, BodyLimit, ErrorGuard
 from roseinfer.server.openapi import errors, finish_document, streamed
 from roseinfer.server.protocol import (
+    UNSUPPORTED_FIELDS,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -42,7 +44,7 @@ logger = logging.getLogger("roseinfer.server")
 
 # Open with an API key too, as vLLM keeps them: load balancers probe /health, Prometheus scrapes
 # /metrics (`protect_metrics` closes both); the chat page sends the key itself.
-OPEN_PATHS = {"/", "/health", "/metrics"}
+OPEN_PATHS = {"/", "/health", "/metrics", "/get_load"}
 OPEN_PREFIXES = ("/static/",)
 
 
@@ -54,9 +56,17 @@ class ApiError(Exception):
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
+    # Unknown fields first: they explain the other errors a misspelt field causes.
+    errors = sorted(errors, key=lambda e: e.get("type") != "extra_forbidden")
     first = errors[0] if errors else {}
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
+    if first.get("type") == "extra_forbidden":
+        name = location[-1] if location else "?"
+        if len(location) == 1 and name in UNSUPPORTED_FIELDS:
+            return f"{name}: not supported by this server: {UNSUPPORTED_FIELDS[name]}", param
+        return (f"unknown field {param!r}: neither the OpenAI API nor vLLM's extensions define it here "
+                "(see the README for the accepted fields)"), param
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     if first.get("type") == "missing":
@@ -99,6 +109,7 @@ def create_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     enable_web_ui: bool = True,
+    tool_call_parser: str | None = None,
     *,
     max_body_bytes: int | None = None,
     protect_metrics: bool = False,
@@ -107,7 +118,7 @@ def create_app(
     is the stat logger the engine feeds. `app.state.begin_shutdown(timeout)` starts a graceful
     shutdown (see there)."""
     model_name = served_model_name or engine.model_name
-    serving = OpenAIServing(engine, model_name)
+    serving = OpenAIServing(engine, model_name, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -172,6 +183,13 @@ def create_app(
             return error_response(503, "the engine loop is not running")
         return JSONResponse({"status": "ok"})
 
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """Requests in flight (running and waiting): what a router's least-load policy compares
+        (vllm-router's and sglang-router's power_of_two poll this route)."""
+        return JSONResponse({"load": engine.num_running + engine.num_waiting,
+                             "num_running": engine.num_running, "num_waiting": engine.num_waiting})
+
     @app.get("/v1/models", responses=errors(401))
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, root=engine.model_name, max_model_len=engine.max_model_len)])
@@ -190,7 +208,8 @@ def create_app(
     @app.post("/v1/chat/completions", responses=streamed(ChatCompletionResponse, ChatCompletionChunk) | generation_errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        submitted = await serving.submit("/v1/chat/completions", "chatcmpl", serving.chat_requests(body), body.n)
+        requests, tool_calling = serving.chat_requests(body)
+        submitted = await serving.submit("/v1/chat/completions", "chatcmpl", requests, body.n, tool_calling)
         if body.stream:
             return StreamingResponse(guarded_sse(serving.chat_stream(body, submitted)),
                                      media_type="text/event-stream")
@@ -225,7 +244,7 @@ def create_app(
     if max_body_bytes is not None:
         app.add_middleware(BodyLimit, max_bytes=max_body_bytes, respond=lambda status, message: too_large())
     if api_key is not None:
-        open_paths = OPEN_PATHS - ({"/health", "/metrics"} if protect_metrics else set())
+        open_paths = OPEN_PATHS - ({"/health", "/metrics", "/get_load"} if protect_metrics else set())
         app.add_middleware(ApiKeyGuard, api_key=api_key, open_paths=open_paths, open_prefixes=OPEN_PREFIXES,
                            respond=lambda status, message: error_response(status, message, code="invalid_api_key"))
     app.add_middleware(ErrorGuard, respond=error_response)  # added last: the outermost

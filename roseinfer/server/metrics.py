@@ -1,5 +1,10 @@
 """Prometheus metrics, named like vLLM's (`vllm:` becomes `roseinfer:`), on a registry of their own.
 
+The three gauges a load balancer in front of several replicas reads are also exposed under
+vLLM's own names, the defaults of the Kubernetes Gateway API Inference Extension's endpoint
+picker: `vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, and
+`vllm:cache_config_info` (labels block_size, num_gpu_blocks) for its prefix-cache scorer.
+
 Gauges, and the counters the engine core keeps itself (preemptions, prefix-cache lookups), are
 read at scrape time from the engine's latest stats snapshot; the other counters and the histograms
 are fed by `record` with each batch of outputs (AsyncLLM calls it, as a stat logger).
@@ -47,10 +52,12 @@ class _EngineTotals(Collector):
 
 class PrometheusStatLogger:
     def __init__(
-        self, model_name: str, snapshot: Callable[[], SchedulerStats], num_waiting: Callable[[], int]
+        self, model_name: str, snapshot: Callable[[], SchedulerStats], num_waiting: Callable[[], int],
+        cache_config: dict[str, int] | None = None,
     ) -> None:
         """`snapshot` gives the engine core's latest SchedulerStats; `num_waiting` the requests
-        accepted and not running yet (which the front end knows best)."""
+        accepted and not running yet (which the front end knows best); `cache_config` the KV
+        cache's block_size and num_gpu_blocks."""
         self.registry = CollectorRegistry()
         labels = {"labelnames": ["model_name"], "registry": self.registry}
         self._model = model_name
@@ -66,6 +73,15 @@ class PrometheusStatLogger:
               lambda: snapshot().max_batch_requests)
         self.registry.register(_EngineTotals(model_name, snapshot))
 
+        # The Gateway API Inference Extension's defaults (its "model server protocol").
+        gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", num_waiting)
+        gauge("vllm:num_requests_running", "Requests in the running batch.", lambda: snapshot().num_running)
+        gauge("vllm:kv_cache_usage_perc", "KV-cache usage (0..1).", lambda: snapshot().kv_cache_usage)
+        if cache_config is not None:
+            info = Gauge("vllm:cache_config_info", "KV cache configuration (labels); always 1.",
+                         labelnames=sorted(cache_config), registry=self.registry)
+            info.labels(**{name: str(value) for name, value in cache_config.items()}).set(1)
+
         self.prompt_tokens = Counter("roseinfer:prompt_tokens", "Prompt tokens processed.", **labels).labels(model_name)
         self.generation_tokens = Counter(
             "roseinfer:generation_tokens", "Tokens generated.", **labels
@@ -73,6 +89,10 @@ class PrometheusStatLogger:
         self.request_success = Counter(
             "roseinfer:request_success", "Requests finished, by finish reason.",
             labelnames=["model_name", "finished_reason"], registry=self.registry,
+        )
+        self.structured_output_requests = Counter(
+            "roseinfer:structured_output_requests", "Finished requests with a structured output, by kind.",
+            labelnames=["model_name", "kind"], registry=self.registry,
         )
         self.time_to_first_token = Histogram(
             "roseinfer:time_to_first_token_seconds", "Time from arrival to the first token.",
@@ -103,6 +123,8 @@ class PrometheusStatLogger:
         for finished in iteration_stats.finished_requests:
             for reason in finished.finish_reasons:
                 self.request_success.labels(self._model, reason).inc()
+            if finished.structured_output_kind is not None:
+                self.structured_output_requests.labels(self._model, finished.structured_output_kind).inc()
             self.e2e_latency.observe(finished.e2e_latency)
             if finished.queue_time is not None:
                 self.queue_time.observe(finished.queue_time)

@@ -1,5 +1,10 @@
 """Request and response bodies of the HTTP API: OpenAI's shapes, vLLM's extensions, the seed's
-/generate. Range checks that OpenAI documents live here, so a bad field is named in a 400."""
+/generate. Range checks that OpenAI documents live here, so a bad field is named in a 400.
+
+Request bodies forbid fields they do not declare: a field that would change the output and is not
+implemented (`UNSUPPORTED_FIELDS`), or one that neither OpenAI nor vLLM defines, is a 400 that
+names it. Fields that change nothing here (`user`, `metadata`, `store`, ...) are declared and
+accepted."""
 
 from __future__ import annotations
 
@@ -22,16 +27,107 @@ def now() -> int:
     return int(time.time())
 
 
-class StreamOptions(BaseModel):
+# Request fields that OpenAI or vLLM define, that would change the output, and that this server
+# does not implement: field -> what to do instead.
+UNSUPPORTED_FIELDS = {
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported; leave modalities out",
+    "functions": "the deprecated `functions` is not supported; use `tools`",
+    "function_call": "the deprecated `function_call` is not supported; use `tool_choice`",
+    "reasoning_effort": "this model does not reason; leave reasoning_effort out",
+    "verbosity": "not supported; leave verbosity out",
+    "web_search_options": "web search is not supported",
+    "suffix": "suffix (fill-in-the-middle) is not supported",
+    "best_of": "best_of is not supported; use n",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "beam search is not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported",
+    "allowed_token_ids": "allowed_token_ids is not supported; use logit_bias or structured_outputs",
+    "bad_words": "bad_words is not supported; use logit_bias",
+    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported",
+    "continue_final_message": "continue_final_message is not supported",
+    "add_special_tokens": "add_special_tokens is not supported",
+    "documents": "documents are not supported",
+    "chat_template": "a per-request chat template is not supported; the model's own is used",
+    "mm_processor_kwargs": "multimodal inputs are not supported",
+    "spaces_between_special_tokens": "spaces_between_special_tokens is not supported",
+    "logits_processors": "custom logits processors are not supported",
+    "guided_json": "use structured_outputs: {\"json\": ...} (vLLM's current spelling)",
+    "guided_regex": "use structured_outputs: {\"regex\": ...}",
+    "guided_choice": "use structured_outputs: {\"choice\": [...]}",
+    "guided_grammar": "use structured_outputs: {\"grammar\": ...}",
+    "guided_decoding_backend": "the structured-output backend is llguidance; leave this out",
+    "structural_tag": "structural tags are not supported",
+}
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: Literal[False] = False  # vLLM's; usage in every chunk is not implemented
 
 
-class SamplingFields(BaseModel):
-    """What completions and chat completions share; unknown fields are ignored, as OpenAI's
-    clients send some that only apply to other models."""
+class JsonSchemaFormat(StrictModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN and Infinity are named as such
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError('type "json_schema" needs json_schema.schema')
+        return self
+
+
+class FunctionDefinition(StrictModel):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(StrictModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+# What the load balancers in front of replicas (vllm-router, sglang-router) write into every
+# request they forward: their request types' defaults, which change nothing. Accepted with exactly
+# these values and dropped; any other value is still an unknown or unsupported field.
+ROUTER_DEFAULTS = {"no_stop_trim": False, "return_hidden_states": False, "continue_final_message": False,
+                   "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True}
+
+
+class SamplingFields(StrictModel):
+    """What completions and chat completions share."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_router_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(name in data for name in ROUTER_DEFAULTS):
+            data = {name: value for name, value in data.items()
+                    if not (name in ROUTER_DEFAULTS and value is ROUTER_DEFAULTS[name])}
+        return data
+
+    model_config = ConfigDict(allow_inf_nan=False)  # NaN and Infinity are named as such
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -44,8 +140,17 @@ class SamplingFields(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    response_format: ResponseFormat | None = None
+    # OpenAI's fields that change nothing here: accepted.
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM's extensions
+    structured_outputs: dict[str, Any] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
@@ -101,7 +206,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    # tool_calls, name, ... reach the template. The schema says what `_needs_content` checks.
+    # tool_calls, tool_call_id, name, ... reach the template. The schema says what `_needs_content` checks.
     model_config = ConfigDict(extra="allow", json_schema_extra={"anyOf": [
         {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
         {"required": ["role", "tool_calls"],
@@ -126,6 +231,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    prediction: dict[str, Any] | None = None  # OpenAI's predicted output: a speed hint, same output
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -138,7 +247,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(StrictModel):
     """The seed's native endpoint."""
 
     model_config = ConfigDict(allow_inf_nan=False)
@@ -216,9 +325,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprobEntry] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallModel(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallModel] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -241,6 +362,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool-call deltas (index, id, function)
 
 
 class ChatChunkChoice(BaseModel):

@@ -40,11 +40,35 @@ from roseinfer.server.protocol import (
     Usage,
     new_id,
 )
+from roseinfer.server.tool_calling import ToolCalling, tool_calling_for
+from roseinfer.structured_output import StructuredOutputsParams
+from roseinfer.tool_parsers import Delta, ToolCallDelta
 
 logger = logging.getLogger("roseinfer.server")
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | None:
+    """The constraint `response_format` or vLLM's `structured_outputs` asks for (not both)."""
+    constraint = None
+    if body.structured_outputs is not None:
+        constraint = StructuredOutputsParams.from_dict(body.structured_outputs)
+    response_format = body.response_format
+    if response_format is not None and response_format.type != "text":
+        if constraint is not None:
+            raise InvalidRequestError("give response_format or structured_outputs, not both", "response_format")
+        if response_format.type == "json_object":
+            constraint = StructuredOutputsParams(json_object=True)
+            constraint.param = "response_format"
+        else:
+            constraint = StructuredOutputsParams(json=response_format.json_schema.schema_)
+            constraint.param = "response_format.json_schema.schema"
+    return constraint
+
+
+def sampling_params(
+    body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+    structured_outputs: StructuredOutputsParams | None = None,
+) -> SamplingParams:
     return SamplingParams(
         n=body.n,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -64,6 +88,8 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
         output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
+        logit_bias=body.logit_bias,
+        structured_outputs=structured_outputs,
     )
 
 
@@ -81,6 +107,8 @@ class Submitted:
     completion_tokens: int = 0
     cached_tokens: dict[str, int] = field(default_factory=dict)
     finish_reasons: list[str] = field(default_factory=list)
+    grammar_seconds: float | None = None
+    tool_calling: ToolCalling | None = None
 
     def position(self, output: RequestOutput) -> int:
         return self.request_ids.index(output.request_id)
@@ -92,6 +120,8 @@ class Submitted:
         self.prompt_tokens[output.request_id] = len(output.prompt_token_ids)
         if output.metrics is not None:
             self.cached_tokens[output.request_id] = output.metrics.num_cached_tokens
+            if output.metrics.grammar_compile_time is not None:
+                self.grammar_seconds = output.metrics.grammar_compile_time
         for completion in output.outputs:
             self.completion_tokens += len(completion.token_ids)
             if completion.finished:
@@ -104,24 +134,28 @@ class Submitted:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())))
 
     def log(self) -> None:
+        grammar = f", grammar compiled in {1000 * self.grammar_seconds:.1f} ms" if self.grammar_seconds is not None else ""
         logger.info(
-            "%s %s: %d prompt + %d completion tokens, finish %s, %.2fs",
+            "%s %s: %d prompt + %d completion tokens, finish %s, %.2fs%s",
             self.route, self.response_id, sum(self.prompt_tokens.values()), self.completion_tokens,
-            ",".join(sorted(set(self.finish_reasons))) or "-", time.monotonic() - self.started,
+            ",".join(sorted(set(self.finish_reasons))) or "-", time.monotonic() - self.started, grammar,
         )
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
+        self.tool_call_parser = tool_call_parser
 
-    async def submit(self, route: str, prefix: str, requests: list[NewRequest], n: int) -> Submitted:
+    async def submit(
+        self, route: str, prefix: str, requests: list[NewRequest], n: int, tool_calling: ToolCalling | None = None
+    ) -> Submitted:
         """Queue the engine requests (raises InvalidRequestError, EngineOverloadedError, ...) before
         any response starts."""
         stream = await self.engine.add_requests(requests)
-        return Submitted(route, new_id(prefix), [r.request_id for r in requests], stream, n)
+        return Submitted(route, new_id(prefix), [r.request_id for r in requests], stream, n, tool_calling=tool_calling)
 
     async def _outputs(self, submitted: Submitted) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; leaving early (client gone) aborts the rest."""
@@ -153,7 +187,7 @@ class OpenAIServing:
         prompts = body.prompts()
         if not prompts:
             raise InvalidRequestError("prompt must not be empty", "prompt")
-        params = sampling_params(body, body.max_tokens, body.logprobs)
+        params = sampling_params(body, body.max_tokens, body.logprobs, structured_outputs_of(body))
         return [NewRequest(new_id("cmpl"), prompt, params) for prompt in prompts]
 
     def _completion_logprobs(self, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
@@ -209,13 +243,24 @@ class OpenAIServing:
         submitted.log()
 
     # -- /v1/chat/completions --------------------------------------------------------------
-    def chat_requests(self, body: ChatCompletionRequest) -> list[NewRequest]:
+    def chat_requests(self, body: ChatCompletionRequest) -> tuple[list[NewRequest], ToolCalling | None]:
+        tool_calling = tool_calling_for(body, self.tool_call_parser)
+        constraint = structured_outputs_of(body)
+        if tool_calling is not None and tool_calling.structured_outputs is not None:
+            if constraint is not None:
+                raise InvalidRequestError(
+                    "tool_choice required or a named function already constrains the output; "
+                    "leave response_format and structured_outputs out", "tool_choice",
+                )
+            constraint = tool_calling.structured_outputs
         chat = ChatPrompt(
             [m.model_dump(exclude_none=True) for m in body.messages], body.add_generation_prompt,
             body.chat_template_kwargs,
+            tools=[tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return [NewRequest(new_id("chatcmpl"), chat, sampling_params(body, body.completion_limit, logprobs))]
+        params = sampling_params(body, body.completion_limit, logprobs, constraint)
+        return [NewRequest(new_id("chatcmpl"), chat, params)], tool_calling
 
     def _chat_logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs:
         content = []
@@ -229,14 +274,19 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, submitted: Submitted) -> ChatCompletionResponse:
         (output,) = await self._final_outputs(submitted)
-        choices = [
-            ChatChoice(
-                index=c.index, message=AssistantMessage(content=c.text),
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = AssistantMessage(content=c.text), c.finish_reason
+            if submitted.tool_calling is not None:
+                content, calls = submitted.tool_calling.extract(c.text)
+                if calls:
+                    message = AssistantMessage(content=content, tool_calls=[call.to_openai() for call in calls])
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            choices.append(ChatChoice(
+                index=c.index, message=message,
                 logprobs=self._chat_logprobs(c.logprobs) if body.logprobs and c.logprobs is not None else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            )
-            for c in output.outputs
-        ]
+                finish_reason=finish_reason, stop_reason=c.stop_reason,
+            ))
         submitted.log()
         return ChatCompletionResponse(id=submitted.response_id, model=self.model_name, choices=choices,
                                       usage=submitted.usage())
@@ -252,18 +302,29 @@ class OpenAIServing:
         # The role comes first, once per choice, as OpenAI sends it.
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(body.n)])
+        tool_streams = {i: submitted.tool_calling.stream() for i in range(body.n)} if submitted.tool_calling else {}
         async for output in self._outputs(submitted):
             for completion in output.outputs:
                 if completion.error is not None:
                     yield _sse(error_event(GenerationError(f"generation failed: {completion.error}")))
                     continue
+                index = completion.index
                 logprobs = self._chat_logprobs(completion.logprobs) if body.logprobs and completion.logprobs else None
-                if completion.text or logprobs:
-                    yield chunk([ChatChunkChoice(index=completion.index, delta=DeltaMessage(content=completion.text),
-                                                 logprobs=logprobs)])
+                tools = tool_streams.get(index)
+                if tools is None:
+                    deltas = [DeltaMessage(content=completion.text)] if completion.text or logprobs else []
+                else:
+                    pieces = tools.feed(completion.text) + (tools.finish() if completion.finished else [])
+                    deltas = [_tool_delta(piece) for piece in pieces]
+                    if logprobs and not deltas:
+                        deltas = [DeltaMessage()]
+                for position, delta in enumerate(deltas):
+                    yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs if position == 0 else None)])
                 if completion.finished:
-                    yield chunk([ChatChunkChoice(index=completion.index, delta=DeltaMessage(),
-                                                 finish_reason=completion.finish_reason,
+                    finish_reason = completion.finish_reason
+                    if tools is not None and tools.sent_tool_calls and finish_reason == "stop":
+                        finish_reason = "tool_calls"
+                    yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=finish_reason,
                                                  stop_reason=completion.stop_reason)])
         if body.include_usage:
             final = ChatCompletionChunk(id=submitted.response_id, model=self.model_name, choices=[],
@@ -295,6 +356,12 @@ class OpenAIServing:
                 if completion.text:
                     yield completion.text
         submitted.log()
+
+
+def _tool_delta(piece: Delta) -> DeltaMessage:
+    if isinstance(piece, ToolCallDelta):
+        return DeltaMessage(tool_calls=[piece.to_openai()])
+    return DeltaMessage(content=piece.text)
 
 
 def _sse(payload: dict) -> str:

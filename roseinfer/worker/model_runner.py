@@ -18,6 +18,8 @@ from torch import nn
 
 from roseinfer.config import EngineConfig, ModelConfig
 from roseinfer.core.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from roseinfer.distributed.parallel_state import get_tp_group
+from roseinfer.distributed.partition import partition
 from roseinfer.errors import InvalidRequestError
 from roseinfer.layers.attention import (
     AttentionMetadata,
@@ -26,11 +28,14 @@ from roseinfer.layers.attention import (
     causal_mask_with_prefix,
 )
 from roseinfer.layers.cpu_kernels import cpu_kernels
+from roseinfer.models.fused_decode import MAX_BATCH as MAX_FUSED_BATCH
+from roseinfer.models.fused_decode import fused_decoder_for
 from roseinfer.outputs import TokenLogprob
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.step_timings import PhaseClock, StepTimings
 from roseinfer.worker.fault_injection import fault_token_from_env, raise_if_faulty
 from roseinfer.worker.sampler import Sampler, SamplingBatch
+from roseinfer.worker.spec_decode import verify_drafts
 
 
 def decode_kernel_for(attention_backend: str, device: torch.device) -> DecodeKernel | None:
@@ -43,6 +48,18 @@ def decode_kernel_for(attention_backend: str, device: torch.device) -> DecodeKer
     if kernels is None and attention_backend == "cpp":
         raise InvalidRequestError("attention_backend 'cpp': the C++ kernel could not be built", "attention_backend")
     return kernels.paged_decode_attention if kernels is not None else None
+
+
+def zeroed_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose memory is only committed where it is written (the KV pool: padded
+    attention reads unused slots, so they must hold zeros, not NaN garbage). On the CPU calloc's
+    fresh pages are zero without being touched, so a large pool costs nothing until used; torch.zeros
+    would write every page at start."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    raw = np.zeros(shape[:-1] + (shape[-1] * itemsize,), dtype=np.uint8)  # calloc
+    return torch.from_numpy(raw).view(dtype)
 
 
 class CachedRequestState:
@@ -94,20 +111,27 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.vocab_size = model_config.vocab_size
         self.timings = timings or StepTimings()
-        # One pool per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim]. Zeroed, because
-        # padded attention reads unused slots and NaN garbage there would leak through the mask.
-        shape = (2, config.num_kv_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_config.num_layers)
-        ]
+        # One pool per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim], with only this
+        # rank's KV heads under tensor parallelism.
+        tp = get_tp_group()
+        kv_heads = partition(model_config.num_kv_heads, tp.size, tp.rank)[1]
+        shape = (2, config.num_kv_blocks, self.block_size, kv_heads, model_config.head_dim)
+        self.kv_caches = [zeroed_untouched(shape, self.dtype, self.device) for _ in range(model_config.num_layers)]
         self.sampler = Sampler()
         self.decode_kernel = decode_kernel_for(config.attention_backend, self.device)
+        # Decode-only steps of small batches in one C++ call (float32 Llama with blocked weights).
+        self.fused_decoder = (
+            fused_decoder_for(model, model_config, self.dtype, self.device) if self.decode_kernel is not None else None
+        )
         self.requests: dict[str, CachedRequestState] = {}
         self.fault_token_id = fault_token_from_env()  # tests only (see fault_injection.py)
 
     # -- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if scheduler_output.empty:  # nothing to run; only forget the finished requests
+            self.update_states(scheduler_output)
+            return ModelRunnerOutput()
         clock = PhaseClock(self.timings)
         inputs = self.prepare_inputs(scheduler_output)
         clock.lap("prepare")
@@ -116,20 +140,30 @@ class ModelRunner:
                 (state := self.requests[req_id]).token_ids[: state.num_prompt_tokens]
                 for req_id in scheduler_output.num_scheduled_tokens
             ])
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if not inputs.sampling:
-            clock.lap("forward")
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        meta = inputs.meta
+        if self.fused_decoder is not None and not meta.prefills and meta.num_decode_tokens <= MAX_FUSED_BATCH:
+            # Every request decodes one token and samples it: the rows are the batch itself.
+            logits = self.fused_decoder.forward(
+                inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_block_tables,
+                meta.decode_context_lens, self.kv_caches,
+            )
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+            if not inputs.sampling:
+                clock.lap("forward")
+                return ModelRunnerOutput()
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         clock.lap("forward")
-        output = self.sample(logits, inputs.sampling)
+        if logits is None:  # a tensor-parallel rank other than the first: rank 0 samples
+            return ModelRunnerOutput()
+        output = self.sample(logits, inputs.sampling, scheduler_output)
         clock.lap("sample")
         return output
 
     @torch.inference_mode()
-    def compute_logits(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
+    def compute_logits(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor | None, list[str]]:
         """Run a step and return the raw logits of its sampled rows and their request ids (for
-        tests and debugging; nothing is sampled)."""
+        tests and debugging; nothing is sampled). Under tensor parallelism only rank 0 gets them."""
         inputs = self.prepare_inputs(scheduler_output)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
@@ -167,17 +201,21 @@ class ModelRunner:
         slots: list[np.ndarray] = []
         logits_indices: list[int] = []
         sampling: list[CachedRequestState] = []
+        spec = scheduler_output.scheduled_spec_decode_tokens
 
         for state, num_new in decodes + prefills:
+            drafts = spec.get(state.req_id, ())
             start = state.num_computed_tokens
-            end = start + num_new
+            end = start + num_new - len(drafts)
             ids.extend(state.token_ids[start:end])
-            pos = np.arange(start, end, dtype=np.int64)
+            ids.extend(drafts)
+            pos = np.arange(start, start + num_new, dtype=np.int64)
             table = np.asarray(state.block_ids, dtype=np.int64)
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
             if end == len(state.token_ids):  # caught up: its last position gives the next token
-                logits_indices.append(len(ids) - 1)
+                # (and with drafts, each draft's position too: they are verified)
+                logits_indices.extend(range(len(ids) - 1 - len(drafts), len(ids)))
                 sampling.append(state)
 
         meta = AttentionMetadata(slot_mapping=self._tensor(np.concatenate(slots)))
@@ -227,8 +265,60 @@ class ModelRunner:
             cache[:, dst] = cache[:, src]
 
     # -- sampling -------------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> ModelRunnerOutput:
+    def sample(
+        self, logits: torch.Tensor, states: list[CachedRequestState], scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput:
+        """One token per request from its logits row; a request with draft tokens has a row per
+        position and gets its accepted drafts and one more token."""
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if not spec or not any(s.req_id in spec for s in states):
+            return self._sample_rows(logits, states, scheduler_output)
+        plain_rows, plain_states, verified = [], [], []
+        row = 0
+        for state in states:
+            drafts = spec.get(state.req_id)
+            if drafts:
+                verified.append((state, drafts, row))
+            else:
+                plain_rows.append(row)
+                plain_states.append(state)
+            row += 1 + len(drafts or ())
+        tokens = self._verify(logits, verified)
+        plain = self._sample_rows(logits[plain_rows], plain_states, scheduler_output) if plain_states else None
+        if plain is not None:
+            tokens |= dict(zip(plain.req_ids, plain.sampled_token_ids, strict=True))
+        logprobs = None
+        if plain is not None and plain.logprobs is not None:  # drafts never go with logprobs
+            by_id = dict(zip(plain.req_ids, plain.logprobs, strict=True))
+            logprobs = [by_id.get(s.req_id, []) for s in states]
+        return ModelRunnerOutput([s.req_id for s in states], [tokens[s.req_id] for s in states], logprobs)
+
+    def _verify(
+        self, logits: torch.Tensor, entries: list[tuple[CachedRequestState, list[int], int]]
+    ) -> dict[str, list[int]]:
+        rows = [r for _, drafts, start in entries for r in range(start, start + len(drafts) + 1)]
+        expanded = [state for state, drafts, _ in entries for _ in range(len(drafts) + 1)]
+        greedy, probs = self.sampler.probabilities(logits[rows], self._sampling_batch(expanded))
+        tokens, offset = {}, 0
+        for state, drafts, _ in entries:
+            span = slice(offset, offset + len(drafts) + 1)
+            params = state.sampling_params
+            generator = self._generator(state) if params.seed is not None and not params.greedy else None
+            tokens[state.req_id] = verify_drafts(
+                drafts, greedy[span], None if params.greedy else probs[span], generator
+            )
+            offset += len(drafts) + 1
+        return tokens
+
+    def _sample_rows(
+        self, logits: torch.Tensor, states: list[CachedRequestState], scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput:
         batch = self._sampling_batch(states)
+        if scheduler_output.grammar_bitmask is not None:
+            rows = scheduler_output.structured_output_request_ids
+            pairs = [(row, rows[s.req_id]) for row, s in enumerate(states) if s.req_id in rows]
+            batch.bitmask_rows = [logits_row for logits_row, _ in pairs]
+            batch.bitmask = torch.from_numpy(scheduler_output.grammar_bitmask[[mask_row for _, mask_row in pairs]])
         out = self.sampler(logits, batch)
         token_ids = out.token_ids.tolist()
         logprobs = None
@@ -268,6 +358,12 @@ class ModelRunner:
             p = state.sampling_params
             if state.num_output_tokens < p.min_tokens:
                 batch.banned.append((row, sorted(set(p.stop_token_ids) | set(state.eos_token_ids))))
+        if any(p.logit_bias for p in params):
+            entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in (p.logit_bias or {}).items()]
+            rows, tokens, biases = zip(*entries, strict=True)
+            batch.logit_bias = (self._tensor(np.asarray(rows, dtype=np.int64)),
+                                self._tensor(np.asarray(tokens, dtype=np.int64)),
+                                torch.tensor(biases, dtype=torch.float32, device=device))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
             batch.max_logprobs = max(wanted)

@@ -1,7 +1,8 @@
 """Sampling the next token of every row of a batch at once.
 
-Order (as in vLLM): raw log-probabilities for reporting, min-tokens masking, penalties, then greedy
-rows take the argmax while the others go through temperature, min-p, top-k and top-p and are
+Order (as in vLLM): raw log-probabilities for reporting, logit bias, the structured-output grammar's
+token bitmask, min-tokens masking (unless it would leave a constrained row nothing), penalties,
+then greedy rows take the argmax while the others go through temperature, min-p, top-k and top-p and are
 sampled by the exponential race (argmax of p / q with q ~ Exp(1)), which lets seeded rows draw
 their noise from their own generator so that their samples do not depend on the rest of the batch.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from roseinfer.structured_output.bitmask import apply_bitmask
 
 
 @dataclass
@@ -30,6 +33,9 @@ class SamplingBatch:
     banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, ids) under min_tokens
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded rows
     max_logprobs: int | None = None  # top-N alternatives wanted by any row (None: none)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, biases)
+    bitmask: torch.Tensor | None = None  # [len(bitmask_rows), words] int32: allowed tokens
+    bitmask_rows: list[int] = field(default_factory=list)  # the logits row of each bitmask row
 
 
 @dataclass
@@ -45,10 +51,17 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
 
-        if batch.banned:
+        if batch.logit_bias is not None or batch.bitmask is not None or batch.banned:
             logits = logits.clone()
-            for row, token_ids in batch.banned:
-                logits[row, token_ids] = float("-inf")
+        if batch.logit_bias is not None:
+            logits.index_put_(batch.logit_bias[:2], batch.logit_bias[2], accumulate=True)
+        if batch.bitmask is not None:
+            apply_bitmask(logits, batch.bitmask, batch.bitmask_rows)
+        for row, token_ids in batch.banned:
+            kept = logits[row].clone()
+            logits[row, token_ids] = float("-inf")
+            if torch.isinf(logits[row]).all():  # a grammar that can only end here ends here
+                logits[row] = kept
         logits = apply_penalties(logits, batch)
 
         if batch.all_greedy:
@@ -60,6 +73,24 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy_rows = batch.temperature == 0
         greedy = greedy_tokens(logits)
+        probs = self._probabilities(logits, batch)
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in batch.generators.items():
+            noise[row].exponential_(generator=generator)
+        random = (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)  # an exact 0 would win wrongly
+        return torch.where(greedy_rows, greedy, random)
+
+    def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's greedy token and, unless every row is greedy, the distribution a sample is
+        drawn from (after temperature, min-p, top-k and top-p). For verifying draft tokens, whose
+        requests have no penalties, bias, grammar or min_tokens (see core/spec_decode.py)."""
+        logits = logits.float()
+        greedy = greedy_tokens(logits)
+        return greedy, None if batch.all_greedy else self._probabilities(logits, batch)
+
+    @staticmethod
+    def _probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy_rows = batch.temperature == 0
         temperature = torch.where(greedy_rows, torch.ones_like(batch.temperature), batch.temperature)
         logits = logits / temperature[:, None]
         if batch.min_p is not None:
@@ -68,12 +99,7 @@ class Sampler:
             logits = apply_top_k(logits, batch.top_k)
         if batch.top_p is not None:
             logits = apply_top_p(logits, batch.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for row, generator in batch.generators.items():
-            noise[row].exponential_(generator=generator)
-        random = (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)  # an exact 0 would win wrongly
-        return torch.where(greedy_rows, greedy, random)
+        return torch.softmax(logits, dim=-1)
 
     @staticmethod
     def _with_logprobs(

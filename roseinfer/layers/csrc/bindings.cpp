@@ -6,10 +6,24 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins);
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool quantize_x);
+torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins);
+torch::Tensor q8_dequantize(torch::Tensor codes, torch::Tensor scales);
+void bind_llama_decoder(pybind11::module& m);
+bool quantizes_activations();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU)");
   m.def("rms_norm", &rms_norm, "x / rms(x) * weight over the last dimension (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "in place: residual += x; x = rms_norm(residual) * weight (CPU)");
+  m.def("q4_linear", &q4_linear, "x @ w.T for 4-bit blocked weights (GGUF Q4_1 layout)");
+  m.def("q8_linear", &q8_linear, "x @ w.T for 8-bit blocked weights (GGUF Q8_0 layout)", pybind11::arg("x"),
+        pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("quantize_x") = true);
+  m.def("q4_dequantize", &q4_dequantize, "the float weights of 4-bit blocks");
+  m.def("q8_dequantize", &q8_dequantize, "the float weights of 8-bit blocks");
+  m.def("quantizes_activations", &quantizes_activations,
+        "whether q4_linear and q8_linear (by default) quantize x to 8 bits per block of 32 (VNNI builds)");
+  bind_llama_decoder(m);
 }

@@ -9,6 +9,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "cpu_kernels.h"
+
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
@@ -129,6 +131,19 @@ void decode_dispatch(int64_t head_dim, const scalar_t* q, const scalar_t* k, con
 }
 
 }  // namespace
+
+namespace roseinfer {
+
+void paged_attention_sequence(const float* q, const float* k_pool, const float* v_pool, const int64_t* block_table,
+                              int64_t context_len, int64_t heads, int64_t kv_heads, int64_t block_size,
+                              int64_t head_dim, float scale, float* out, std::vector<float>& scores,
+                              std::vector<float>& work) {
+  DenormalsAreZero flush;
+  decode_dispatch<float>(head_dim, q, k_pool, v_pool, block_table, context_len, heads, kv_heads, block_size, scale,
+                         out, scores, work);
+}
+
+}  // namespace roseinfer
 
 // q: [batch, heads, head_dim]; k_pool, v_pool: [blocks, block_size, kv_heads, head_dim];
 // block_tables: [batch, max_blocks] int64; context_lens: [batch] int64. Returns [batch, heads, head_dim].

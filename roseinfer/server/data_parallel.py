@@ -1,0 +1,209 @@
+"""`roseinfer serve --data-parallel-size N`: N independent replicas behind a load balancer, on one
+machine.
+
+Each replica is an ordinary `roseinfer serve` on its own port of 127.0.0.1, pinned to its share
+of this process's cores (tensor-parallel workers inside a replica split that share again); the
+router in front is vLLM's Rust load balancer (`vllm-router`, a PyPI package): round robin,
+power-of-two least load (it polls each replica's `/get_load`), or prefix-cache aware. It retries
+a request that a replica refused and stops sending to a replica that fails its health checks.
+On several machines the same router is pointed at replicas on other hosts (README, "Scaling").
+
+The launcher forwards SIGINT/SIGTERM (router first, then the replicas), and exits when the
+router or every replica has gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from roseinfer.distributed.cpu_binding import plan_cpu_binding
+from roseinfer.errors import RoseInferError
+
+logger = logging.getLogger("roseinfer.server")
+
+# The routers it can start (PyPI packages; vllm-router is a dependency, sglang-router optional).
+# Both are Rust load balancers of the same lineage; vllm-router is the default: it needs nothing of a
+# request that the OpenAI API leaves optional (sglang-router 0.3 refuses a completion without
+# `model`) and it measured level or ahead at 64 streams (README, "Scaling").
+ROUTERS = ("vllm-router", "sglang-router")
+_ROUTER_SUBCOMMAND = {"vllm-router": [], "sglang-router": ["launch"]}
+ROUTER_POLICIES = ("power_of_two", "round_robin", "cache_aware", "consistent_hash", "random")
+DEFAULT_ROUTER_POLICY = "power_of_two"
+_LAUNCHER_FLAGS = ("--data-parallel-size", "--data-parallel-base-port", "--router", "--router-policy",
+                   "--router-args", "--port", "--host")
+STARTUP_TIMEOUT_S = 600.0
+
+
+def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("data parallelism (replicas behind a router)")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="serve N replicas, each on its share of the cores, behind a router on "
+                            "--host:--port (default 1: no router)")
+    group.add_argument("--data-parallel-base-port", type=int, default=None,
+                       help="the replicas listen on 127.0.0.1, ports BASE .. BASE+N-1 (default: --port + 1; "
+                            "0: any free ports)")
+    group.add_argument("--router", choices=ROUTERS, default=ROUTERS[0], help="the load balancer (a PyPI package)")
+    group.add_argument("--router-policy", choices=ROUTER_POLICIES, default=DEFAULT_ROUTER_POLICY,
+                       help=f"how the router picks a replica (default {DEFAULT_ROUTER_POLICY}: the less "
+                            "loaded of two, by each replica's /get_load)")
+    group.add_argument("--router-args", default="", help="more flags for the router, as one string")
+
+
+def replica_arguments(argv: list[str]) -> list[str]:
+    """The command line of `roseinfer serve ...` without the launcher's own flags."""
+    strip = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in _LAUNCHER_FLAGS:
+        strip.add_argument(flag)
+    strip.add_argument("-dp", dest="dp_short")
+    _, rest = strip.parse_known_args(argv)
+    return rest
+
+
+def router_executable(name: str) -> str:
+    """The router's console script: beside this Python's, or on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise RoseInferError(f"--data-parallel-size needs the {name} load balancer: pip install {name}")
+    return found
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class DataParallelLauncher:
+    def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
+        if args.data_parallel_size < 2:
+            raise RoseInferError(f"--data-parallel-size must be at least 2 here, got {args.data_parallel_size}")
+        self.args = args
+        self.size = args.data_parallel_size
+        base = args.port + 1 if args.data_parallel_base_port is None else args.data_parallel_base_port
+        self.ports = [free_port() for _ in range(self.size)] if base == 0 else [base + i for i in range(self.size)]
+        if args.port in self.ports:
+            raise RoseInferError(f"the router's port {args.port} is one of the replicas' ports {self.ports}")
+        self.command = [sys.executable, "-m", "roseinfer.cli", *replica_arguments(argv)]
+        self.cores = plan_cpu_binding("auto", self.size)
+        self.router_binary = router_executable(args.router)
+        self.replicas: list[subprocess.Popen] = []
+        self.router: subprocess.Popen | None = None
+        self.stopping = False
+
+    def start_replicas(self) -> None:
+        for index, (port, cores) in enumerate(zip(self.ports, self.cores, strict=True)):
+            command = [*self.command, "--host", "127.0.0.1", "--port", str(port)]
+            self.replicas.append(subprocess.Popen(
+                command, preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)),  # no threads here yet
+            ))
+            logger.info("replica %d: http://127.0.0.1:%d, cores %s, pid %d", index, port, cores, self.replicas[-1].pid)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        waiting = set(range(self.size))
+        while waiting and not self.stopping:
+            for index in list(waiting):
+                if self.replicas[index].poll() is not None:
+                    raise RoseInferError(f"replica {index} exited while starting (code {self.replicas[index].returncode})")
+                try:
+                    if httpx.get(f"http://127.0.0.1:{self.ports[index]}/health", timeout=2).status_code == 200:
+                        waiting.discard(index)
+                except httpx.HTTPError:
+                    pass
+            if time.monotonic() > deadline:
+                raise RoseInferError(f"replica(s) {sorted(waiting)} did not start in {STARTUP_TIMEOUT_S:.0f} s")
+            if waiting:
+                time.sleep(0.5)
+
+    def start_router(self) -> None:
+        args = self.args
+        command = [
+            self.router_binary, *_ROUTER_SUBCOMMAND[args.router], "--host", args.host, "--port", str(args.port),
+            "--worker-urls", *[f"http://127.0.0.1:{port}" for port in self.ports],
+            "--policy", args.router_policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            # Notice a dead replica within seconds rather than minutes; its circuit breaker opens
+            # on failed requests meanwhile, and refused requests are retried on another replica.
+            "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
+            *args.router_args.split(),
+        ]
+        self.router = subprocess.Popen(command, stdout=subprocess.DEVNULL if args.log_level.upper() != "DEBUG" else None)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.router.poll() is not None:
+                raise RoseInferError(f"{args.router} exited while starting (code {self.router.returncode})")
+            try:
+                if httpx.get(f"http://{_connect_host(args.host)}:{args.port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RoseInferError(f"{args.router} did not answer on port {args.port} in 60 s")
+            time.sleep(0.3)
+        logger.info("%s (%s) on http://%s:%d in front of %d replicas", args.router, args.router_policy,
+                    args.host, args.port, self.size)
+
+    def watch(self) -> int:
+        """Until stopped, or until the router or every replica has gone."""
+        reported: set[int] = set()
+        while not self.stopping:
+            if self.router.poll() is not None:
+                logger.error("the router exited (code %s)", self.router.returncode)
+                return 1
+            for index, replica in enumerate(self.replicas):
+                if replica.poll() is not None and index not in reported:
+                    reported.add(index)
+                    logger.error("replica %d exited (code %s); the router sends its requests elsewhere",
+                                 index, replica.returncode)
+            if len(reported) == self.size:
+                logger.error("every replica has exited")
+                return 1
+            time.sleep(0.5)
+        return 0
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.stopping = True
+        for process in ([self.router] if self.router else []) + self.replicas:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for process in ([self.router] if self.router else []) + self.replicas:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def run_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check
+    launcher = DataParallelLauncher(args, argv)
+
+    def stop(_signum: int, _frame: object) -> None:
+        launcher.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        launcher.start_replicas()
+        launcher.start_router()
+        return launcher.watch()
+    finally:
+        launcher.stop()
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
