@@ -26,7 +26,16 @@ class EngineDeadError(RoseInferError):
 
 
 class EngineOverloadedError(RoseInferError):
-    """More requests are waiting than the admission limit allows; retry later."""
+    """More requests are waiting than the admission limit allows (or the server is shutting
+    down); retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestTimeoutError(RoseInferError):
+    """A request ran longer than the server's per-request time limit and was aborted."""
 
 
 class ExecutorFailedError(EngineDeadError):

@@ -43,6 +43,25 @@ PromptType = str | Sequence[int] | ChatPrompt
 
 
 @dataclass
+class RequestLimits:
+    """What one request may ask for, checked before any tokenizing (None: no limit). The server
+    sets them from its flags; offline callers are trusted and have none."""
+
+    max_prompt_chars: int | None = None  # the prompt text (a chat: as the template renders it)
+    max_stop: int | None = None  # stop strings, and stop token ids
+    max_stop_chars: int | None = None  # characters in one stop string
+
+
+def longest_prompt_chars(tokenizer: Tokenizer, max_model_len: int) -> int:
+    """The most characters a prompt that fits the context can have: the context times the longest
+    token's text (+1 for a leading space a decoder drops). The server's default prompt limit."""
+    backend = tokenizer.backend
+    pieces = backend.decode_batch([[i] for i in range(backend.get_vocab_size(with_added_tokens=True))],
+                                  skip_special_tokens=False)
+    return max_model_len * (max(map(len, pieces), default=1) + 1)
+
+
+@dataclass
 class ProcessedRequest:
     request_id: str
     prompt: str | None  # the text, when the caller gave text (or chat messages)
@@ -61,6 +80,7 @@ class InputProcessor:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
+        self.limits = RequestLimits()
 
     def process(
         self,
@@ -75,6 +95,7 @@ class InputProcessor:
         """Check and tokenize one request; raises InvalidRequestError (ContextLengthError for
         the context rule) naming the field."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._check_stop_limits(params)
         text, token_ids = self.prompt_token_ids(prompt, add_special_tokens)
         params = self._resolve_params(params, len(token_ids), strict_max_tokens)
         return ProcessedRequest(request_id, text, token_ids, params,
@@ -102,10 +123,11 @@ class InputProcessor:
     def prompt_token_ids(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(prompt text or None, checked token ids)."""
         if isinstance(prompt, ChatPrompt):
-            text = self.render_chat(prompt)
+            text = self._check_prompt_chars(self.render_chat(prompt), "messages")
             ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS
         elif isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            text = self._check_prompt_chars(prompt, "prompt")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, Sequence):
             text, ids = None, list(prompt)
             bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
@@ -126,7 +148,33 @@ class InputProcessor:
             )
         return text, ids
 
+    def _check_prompt_chars(self, text: str, param: str) -> str:
+        limit = self.limits.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(text)} characters, more than this server's limit of {limit} "
+                "(--max-prompt-chars)", param,
+            )
+        return text
+
     # -- parameters -----------------------------------------------------------------------
+    def _check_stop_limits(self, params: SamplingParams) -> None:
+        limits = self.limits
+        if limits.max_stop is not None:
+            for param, values in (("stop", params.stop_strings), ("stop_token_ids", params.stop_token_ids)):
+                if len(values) > limits.max_stop:
+                    raise InvalidRequestError(
+                        f"{param} has {len(values)} entries, more than this server's limit of "
+                        f"{limits.max_stop} (--max-stop)", param,
+                    )
+        if limits.max_stop_chars is not None:
+            longest = max(params.stop_strings, key=len, default="")
+            if len(longest) > limits.max_stop_chars:
+                raise InvalidRequestError(
+                    f"stop has a string of {len(longest)} characters, more than this server's limit "
+                    f"of {limits.max_stop_chars} (--max-stop-chars)", "stop",
+                )
+
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """The most tokens a request with this prompt may generate (the module's rule)."""
         return self.max_model_len - num_prompt_tokens + 1

@@ -12,6 +12,7 @@ from roseinfer.structured_output.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 16
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -70,13 +71,17 @@ class SamplingParams:
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {message}", param=param)
 
+        for name in _FLOAT_FIELDS:  # NaN slips through every range check; infinities break sampling
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be at least 1, got {self.n!r}")
         if self.n > MAX_N:
             raise bad("n", f"must be at most {MAX_N}, got {self.n}")
-        if self.temperature is None or self.temperature < 0:
+        if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
-        if self.top_p is None or not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise bad("top_k", f"must be -1 (disabled), 0 (disabled) or positive, got {self.top_k!r}")

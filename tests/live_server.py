@@ -20,15 +20,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *flags: str) -> None:
-        self.port = free_port()
+    def __init__(self, *flags: str, env: dict[str, str] | None = None, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = f"/tmp/roseinfer-test-server-{self.port}.log"
+        self.log_path = f"/tmp/roseinfer-test-server-{self.port}-{time.time_ns()}.log"  # a restart: a new log
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "roseinfer.cli", "serve", "--port", str(self.port), "--stats-interval", "2",
              *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"},
+            stdout=self.log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {}),
         )
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -36,7 +36,7 @@ class ServerProcess:
                 self.log.close()
                 raise RuntimeError(f"the server exited: {self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1).status_code in (200, 401):  # 401: --protect-metrics
                     return
             except httpx.HTTPError:
                 time.sleep(0.3)
@@ -59,8 +59,8 @@ class ServerProcess:
             self.log.close()
 
 
-def metric(server: ServerProcess, name: str) -> float:
-    text = httpx.get(server.url + "/metrics").text
+def metric(server: ServerProcess, name: str, headers: dict[str, str] | None = None) -> float:
+    text = httpx.get(server.url + "/metrics", headers=headers).text
     match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))

@@ -27,7 +27,7 @@ def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-@pytest.mark.parametrize("k", [1, 5, 17])
+@pytest.mark.parametrize("k", [1, 5, 17, VOCAB, VOCAB + 1, 10**6])  # past the vocabulary: every token
 def test_top_k_equals_transformers(k):
     logits = random_logits(4)
     expected = TopKLogitsWarper(top_k=k)(None, logits.clone())

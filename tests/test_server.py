@@ -292,6 +292,7 @@ def guarded_server() -> Iterator[ServerProcess]:
 def test_api_key_is_required_on_v1_routes(guarded_server):
     url = guarded_server.url
     assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/metrics").status_code == 200  # open as vLLM keeps it (--protect-metrics closes it)
     assert httpx.get(url + "/v1/models").status_code == 401
     wrong = httpx.post(url + COMPLETIONS, json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
@@ -314,6 +315,7 @@ def test_a_burst_past_the_queue_gets_503_and_no_accepted_request_is_lost(guarded
     for response in responses:
         if response.status_code == 503:
             assert "overloaded" in response.json()["error"]["message"]
+            assert int(response.headers["Retry-After"]) >= 1
         else:
             assert response.json()["usage"]["completion_tokens"] == 24
 

@@ -23,6 +23,7 @@ from roseinfer.core.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     ModelRunnerOutput,
+    SchedulerOutput,
 )
 from roseinfer.core.scheduler import Scheduler
 from roseinfer.core.structured_output_manager import StructuredOutputManager
@@ -71,6 +72,7 @@ class EngineCore:
         clock = PhaseClock(self.timings)
         scheduler_output = self.scheduler.schedule()
         clock.lap("schedule")
+        failed: list[EngineCoreOutput] = []
         if scheduler_output.empty:
             runner_output = ModelRunnerOutput()
             pending = self.scheduler.waiting_for_grammars()
@@ -82,16 +84,45 @@ class EngineCore:
                 runner_output = self.executor.execute_model(scheduler_output)
             except ExecutorFailedError as exc:  # a worker is gone: nothing can run any more
                 return self.fail_all(str(exc))
-            except Exception as exc:  # keep serving the requests that were not in this step
-                logger.exception("model step failed; ending the %d requests in it",
-                                 len(scheduler_output.num_scheduled_tokens))
-                return self._fail(scheduler_output.num_scheduled_tokens, f"{type(exc).__name__}: {exc}")
+            except Exception:
+                logger.exception("a model step of %d requests failed; running it again in parts to find "
+                                 "the requests that fail it", len(scheduler_output.num_scheduled_tokens))
+                try:
+                    runner_output, failed = self._isolate_failure(scheduler_output)
+                except ExecutorFailedError as exc:
+                    return self.fail_all(str(exc))
             clock.last = time.perf_counter()  # the executor timed its own phases
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs.outputs.extend(failed)
         clock.lap("update")
         if not scheduler_output.empty:
             self.timings.steps += 1
         return outputs
+
+    def _isolate_failure(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, list[EngineCoreOutput]]:
+        """Bisect a failed step: run its halves again (the scheduler's state is untouched until
+        the step's output is applied), split every part that fails, and end only the requests
+        that fail alone. A fault of one request costs about 2 log2(batch) extra runs."""
+        parts: list[ModelRunnerOutput] = []
+        errors: dict[str, str] = {}
+        pending = _halves(list(scheduler_output.num_scheduled_tokens))
+        while pending:
+            group = pending.pop()
+            try:
+                parts.append(self.executor.execute_model(self.scheduler.replay_output(scheduler_output, group)))
+            except ExecutorFailedError:
+                raise
+            except Exception as exc:
+                if len(group) > 1:
+                    pending.extend(_halves(group))
+                    continue
+                errors[group[0]] = f"{type(exc).__name__}: {exc}"
+                logger.error("request %s fails the model step on its own (%s); it ends with an error",
+                             group[0], errors[group[0]])
+        failed = self.scheduler.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
+        outputs = [EngineCoreOutput(r.request_id, [], finish_reason="error", error=errors[r.request_id])
+                   for r in failed]
+        return _merge(parts), outputs
 
     def fail_all(self, reason: str) -> EngineCoreOutputs:
         """The executor failed: end every request with an error and refuse new ones."""
@@ -107,3 +138,22 @@ class EngineCore:
     def shutdown(self) -> None:
         self.executor.shutdown()
         self.structured_output_manager.shutdown()
+
+
+def _halves(req_ids: list[str]) -> list[list[str]]:
+    if len(req_ids) < 2:
+        return [req_ids]
+    middle = len(req_ids) // 2
+    return [req_ids[:middle], req_ids[middle:]]
+
+
+def _merge(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+    """One output of several runs' outputs (requests that asked for no logprobs get None)."""
+    merged = ModelRunnerOutput()
+    logprobs: list = []
+    for part in parts:
+        merged.req_ids += part.req_ids
+        merged.sampled_token_ids += part.sampled_token_ids
+        logprobs += part.logprobs if part.logprobs is not None else [None] * len(part.req_ids)
+    merged.logprobs = logprobs if any(p.logprobs is not None for p in parts) else None
+    return merged

@@ -19,7 +19,7 @@ from typing import Any
 
 from roseinfer.config import EngineConfig, ModelConfig
 from roseinfer.core.engine_core import EngineCore
-from roseinfer.core.messages import EngineCoreOutput, EngineCoreOutputs
+from roseinfer.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from roseinfer.request import RequestStatus
 
 logger = logging.getLogger("roseinfer")
@@ -64,7 +64,7 @@ class EngineCoreLoop:
         kind, payload = message
         if kind == ADD:
             for request in payload:
-                self.core.add_request(request)
+                self._add(request)
         elif kind == ABORT:
             self.core.abort_requests(payload)
         elif kind == RESET_PREFIX_CACHE:
@@ -78,6 +78,15 @@ class EngineCoreLoop:
             logger.error("engine core: unknown message %r", kind)
             return False
         return True
+
+    def _add(self, request: EngineCoreRequest) -> None:
+        try:
+            self.core.add_request(request)
+        except Exception as exc:  # the front end checked it; if the core still refuses, end only it
+            logger.exception("engine core: could not add request %s", request.request_id)
+            error = EngineCoreOutput(request.request_id, [], finish_reason="error",
+                                     error=f"{type(exc).__name__}: {exc}")
+            self.emit(EngineCoreOutputs([error], self.core.scheduler.make_stats()))
 
     def _step(self) -> EngineCoreOutputs:
         try:

@@ -225,15 +225,7 @@ class Scheduler:
                 request.first_scheduled_time = now
             table = self.kv_cache.block_table(request.request_id)
             if request.synced_block_ids is None:
-                out.scheduled_new_reqs.append(NewRequestData(
-                    req_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    sampling_params=request.sampling_params,
-                    eos_token_ids=sorted(request.eos_token_ids),
-                    block_ids=list(table),
-                    num_computed_tokens=request.num_computed_tokens,
-                ))
+                out.scheduled_new_reqs.append(self._new_request_data(request, table))
             else:
                 out.scheduled_cached_reqs.append(CachedRequestData(
                     req_id=request.request_id,
@@ -254,6 +246,38 @@ class Scheduler:
             stats.num_steps += 1
             stats.max_batch_requests = max(stats.max_batch_requests, len(scheduled))
             stats.num_scheduled_tokens += out.total_num_scheduled_tokens
+        return out
+
+    @staticmethod
+    def _new_request_data(request: Request, table: list[int]) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_ids=sorted(request.eos_token_ids),
+            block_ids=list(table),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def replay_output(self, scheduled: SchedulerOutput, req_ids: list[str]) -> SchedulerOutput:
+        """Part of a step that failed, to run again: these requests with their whole state (the
+        runner replaces what it holds of them, however far the failed step got), the same tokens
+        to compute, and the step's block copies and finished ids (both safe to apply twice)."""
+        out = SchedulerOutput(finished_req_ids=list(scheduled.finished_req_ids),
+                              blocks_to_copy=list(scheduled.blocks_to_copy))
+        for req_id in req_ids:
+            request = self.requests[req_id]
+            out.scheduled_new_reqs.append(self._new_request_data(request, self.kv_cache.block_table(req_id)))
+            out.num_scheduled_tokens[req_id] = scheduled.num_scheduled_tokens[req_id]
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        constrained = [r for r in req_ids if r in scheduled.structured_output_request_ids]
+        if scheduled.grammar_bitmask is not None and constrained:  # their rows of the step's bitmask
+            out.grammar_bitmask = scheduled.grammar_bitmask[[scheduled.structured_output_request_ids[r]
+                                                             for r in constrained]]
+            out.structured_output_request_ids = {r: row for row, r in enumerate(constrained)}
+        out.scheduled_spec_decode_tokens = {r: scheduled.scheduled_spec_decode_tokens[r] for r in req_ids
+                                            if r in scheduled.scheduled_spec_decode_tokens}
         return out
 
     # -- after the step ---------------------------------------------------------------------

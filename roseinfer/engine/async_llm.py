@@ -26,7 +26,12 @@ from roseinfer.core.messages import EngineCoreOutputs, SchedulerStats
 from roseinfer.engine.front_end import EngineFrontEnd
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.stats import IterationStats
-from roseinfer.errors import EngineDeadError, EngineOverloadedError
+from roseinfer.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestTimeoutError,
+    RoseInferError,
+)
 from roseinfer.input_processor import ProcessedRequest, PromptType
 from roseinfer.outputs import RequestOutput
 from roseinfer.sampling_params import SamplingParams
@@ -51,14 +56,20 @@ class NewRequest:
 class RequestOutputStream:
     """The outputs of one or several requests as they arrive: `async for output in stream` (each
     output's `request_id` says whose). Ends once every request has finished; raises
-    EngineDeadError if the engine stops first. `close()` aborts the requests that have not finished
-    (AsyncLLM.generate does so when the consuming task is cancelled or leaves early)."""
+    EngineDeadError if the engine stops first, RequestTimeoutError (after aborting the requests)
+    if they have not finished by `timeout` seconds after `arrival`. `close()` aborts the requests
+    that have not finished (AsyncLLM.generate does so when the consuming task is cancelled or
+    leaves early)."""
 
-    def __init__(self, engine: AsyncLLM, request_ids: list[str]) -> None:
+    def __init__(
+        self, engine: AsyncLLM, request_ids: list[str], arrival: float | None = None, timeout: float | None = None
+    ) -> None:
         self.request_ids = request_ids
         self._engine = engine
         self._unfinished = set(request_ids)
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._timeout = timeout
+        self._deadline = None if timeout is None else (time.monotonic() if arrival is None else arrival) + timeout
 
     @property
     def finished(self) -> bool:
@@ -73,7 +84,17 @@ class RequestOutputStream:
     async def __anext__(self) -> RequestOutput:
         if not self._unfinished and self._queue.empty():
             raise StopAsyncIteration
-        item = await self._queue.get()
+        if self._deadline is None:
+            item = await self._queue.get()
+        else:
+            try:
+                item = await asyncio.wait_for(self._queue.get(), max(self._deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                self.close()
+                raise RequestTimeoutError(
+                    f"the request did not finish within this server's time limit of {self._timeout:g} s "
+                    "per request (--request-timeout); it was aborted"
+                ) from None
         if isinstance(item, BaseException):
             self._unfinished.clear()
             raise item
@@ -94,6 +115,7 @@ class AsyncLLM(EngineFrontEnd):
         *,
         engine_core: str = "thread",
         max_queue_len: int | None = None,
+        request_timeout: float | None = None,
         stat_loggers: Sequence[StatLogger] = (),
     ) -> None:
         if engine_core not in ENGINE_CORE_MODES:
@@ -101,6 +123,7 @@ class AsyncLLM(EngineFrontEnd):
         started = time.perf_counter()
         super().__init__(config)
         self._init_state(max_queue_len, stat_loggers)
+        self.request_timeout = request_timeout
         if engine_core == "process":
             self.core: EngineCoreClient = ProcessEngineCoreClient(
                 config, self.model_config, self._deliver, self._engine_died
@@ -140,6 +163,8 @@ class AsyncLLM(EngineFrontEnd):
         self._streams: dict[str, RequestOutputStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead_reason: str | None = None
+        self.request_timeout: float | None = None  # seconds from arrival to the last output
+        self.refusing: str | None = None  # why new requests are refused (shutting down), or None
 
     # -- state ----------------------------------------------------------------------------
     @property
@@ -165,8 +190,7 @@ class AsyncLLM(EngineFrontEnd):
 
     async def add_requests(self, requests: Sequence[NewRequest]) -> RequestOutputStream:
         """Several requests checked together (either all are queued or none is), with one stream."""
-        if not self.alive:
-            raise EngineDeadError(f"the engine is not running ({self.dead_reason or 'stopped'})")
+        self._check_accepting()
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
             raise ValueError(f"request ids must be unique, got {ids}")
@@ -175,16 +199,25 @@ class AsyncLLM(EngineFrontEnd):
         processed = await self._loop.run_in_executor(None, self._process_all, requests, arrival)
         return self.add_processed_requests(processed)
 
+    def _check_accepting(self) -> None:
+        if not self.alive:
+            raise EngineDeadError(f"the engine is not running ({self.dead_reason or 'stopped'})")
+        if self.refusing is not None:
+            raise EngineOverloadedError(self.refusing)
+
     def add_processed_requests(self, processed: Sequence[ProcessedRequest]) -> RequestOutputStream:
         """Queue requests the input processor has checked (from the event loop's thread)."""
         self._loop = asyncio.get_running_loop()
+        self._check_accepting()
         wanted = sum(len(p.core_requests) for p in processed)
         if self.max_queue_len is not None and self.num_waiting + wanted > self.max_queue_len:
             raise EngineOverloadedError(
                 f"the server is overloaded: {self.num_waiting} requests are waiting "
                 f"(limit {self.max_queue_len}); retry later"
             )
-        stream = RequestOutputStream(self, [request.request_id for request in processed])
+        arrival = min((request.arrival_time for request in processed), default=None)
+        stream = RequestOutputStream(self, [request.request_id for request in processed], arrival,
+                                     self.request_timeout)
         core_requests = []
         for request in processed:
             core_requests.extend(self.register_request(request))
@@ -264,6 +297,23 @@ class AsyncLLM(EngineFrontEnd):
         for stream in set(self._streams.values()):
             stream.put(EngineDeadError(f"the engine stopped: {reason}"))
         self._streams.clear()
+
+    def refuse_new_requests(self, reason: str) -> None:
+        """From now on add_request raises EngineOverloadedError(reason) (a server shutting down)."""
+        self.refusing = reason
+
+    def end_all_requests(self, error: RoseInferError) -> None:
+        """End every request in flight now: abort it in the engine core and raise `error` in its
+        stream (a server that shuts down tells its clients so)."""
+        aborted: list[str] = []
+        for request_id in list(self._streams):
+            sequence_ids, _ = self.output_processor.abort_request(request_id)
+            aborted.extend(sequence_ids)
+        for stream in set(self._streams.values()):
+            stream.put(error)
+        self._streams.clear()
+        if aborted and self.alive:
+            self.core.abort_requests(aborted)
 
     # -- life cycle -----------------------------------------------------------------------
     def shutdown(self, timeout: float = 10.0) -> None:

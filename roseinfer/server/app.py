@@ -1,54 +1,51 @@
 """The HTTP server: FastAPI routes, OpenAI-style errors, API keys, and `roseinfer serve`.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /generate (the seed's), GET /metrics (Prometheus), GET /get_load (for load balancers).
+POST /generate (the seed's), GET /metrics (Prometheus), GET /get_load (for load balancers). With an
+API key every route but the chat page, /health and /metrics needs it (those two too with
+`protect_metrics`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from roseinfer.engine.async_llm import AsyncLLM
-from roseinfer.errors import (
-    ContextLengthError,
-    EngineDeadError,
-    EngineOverloadedError,
-    InvalidRequestError,
-)
+from roseinfer.errors import EngineDeadError, RoseInferError
+from roseinfer.server.error_responses import GenerationError, error_response, response_for
 from roseinfer.server.metrics import CONTENT_TYPE, PrometheusStatLogger
+from roseinfer.server.middleware import ApiKeyGuard, BodyLimit, ErrorGuard
+from roseinfer.server.openapi import errors, finish_document, streamed
 from roseinfer.server.protocol import (
     UNSUPPORTED_FIELDS,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
-    ErrorInfo,
-    ErrorResponse,
+    CompletionResponse,
     GenerateRequest,
+    GenerateResponse,
     ModelCard,
     ModelList,
 )
-from roseinfer.server.serving import OpenAIServing
+from roseinfer.server.serving import OpenAIServing, guarded_sse, guarded_text
 
 logger = logging.getLogger("roseinfer.server")
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                503: "overloaded_error"}
-
-
-def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None) -> JSONResponse:
-    info = ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "server_error"), param=param,
-                     code=code if code is not None else status)
-    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status)
+# Open with an API key too, as vLLM keeps them: load balancers probe /health, Prometheus scrapes
+# /metrics (`protect_metrics` closes both); the chat page sends the key itself.
+OPEN_PATHS = {"/", "/health", "/metrics", "/get_load"}
+OPEN_PREFIXES = ("/static/",)
 
 
 class ApiError(Exception):
@@ -74,7 +71,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     if first.get("type") == "missing":
         return f"{param} is required", param
-    message = first.get("msg", "invalid request")
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
     extra = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     return (f"{param}: {message}{extra}" if param else f"{message}{extra}"), param
 
@@ -89,21 +86,21 @@ async def _until_disconnected(request: Request) -> None:
 
 async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Response:
     """Run a whole-response request; cancel it (which aborts its engine requests) if the client
-    disconnects first."""
+    disconnects first. Both tasks are awaited to the end, so none is left pending."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_until_disconnected(request))
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            result = task.result()
-            return JSONResponse(result.model_dump() if isinstance(result, BaseModel) else result)
-        task.cancel()
-        logger.info("%s: client disconnected; request aborted", request.url.path)
-        return Response(status_code=499)
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        logger.info("%s: client disconnected; request aborted", request.url.path)
+        return Response(status_code=499)
+    result = task.result()  # its error, if any, goes to the exception handlers
+    return JSONResponse(result.model_dump() if isinstance(result, BaseModel) else result)
 
 
 def create_app(
@@ -113,9 +110,13 @@ def create_app(
     api_key: str | None = None,
     enable_web_ui: bool = True,
     tool_call_parser: str | None = None,
+    *,
+    max_body_bytes: int | None = None,
+    protect_metrics: bool = False,
 ) -> FastAPI:
     """The app over a started AsyncLLM (whose engine core runs beside the event loop); `metrics`
-    is the stat logger the engine feeds."""
+    is the stat logger the engine feeds. `app.state.begin_shutdown(timeout)` starts a graceful
+    shutdown (see there)."""
     model_name = served_model_name or engine.model_name
     serving = OpenAIServing(engine, model_name, tool_call_parser)
 
@@ -128,15 +129,17 @@ def create_app(
 
     app = FastAPI(title="roseinfer", lifespan=lifespan)
     app.state.engine = engine
+    finish_document(app, extra_models=[ChatCompletionChunk])
 
-    def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
-            raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+    def begin_shutdown(timeout: float) -> None:
+        """New requests get 503 from now on; requests still running `timeout` seconds later end
+        with an error (a stream: an error event, then [DONE]), so every client hears why."""
+        engine.refuse_new_requests("the server is shutting down")
+        asyncio.get_running_loop().call_later(timeout, engine.end_all_requests, EngineDeadError(
+            f"the server is shutting down and the request did not finish within {timeout:g} s "
+            "(--shutdown-timeout)"))
+
+    app.state.begin_shutdown = begin_shutdown
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -153,33 +156,28 @@ def create_app(
         message, param = _validation_message(exc)
         return error_response(400, message, param)
 
-    @app.exception_handler(ContextLengthError)
-    async def _context_error(_: Request, exc: ContextLengthError) -> JSONResponse:
-        return error_response(400, str(exc), exc.param, "context_length_exceeded")
+    @app.exception_handler(RoseInferError)
+    async def _engine_error(_: Request, exc: RoseInferError) -> JSONResponse:
+        return response_for(exc)
 
-    @app.exception_handler(InvalidRequestError)
-    async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return error_response(400, str(exc), exc.param)
+    @app.exception_handler(GenerationError)
+    async def _generation_error(_: Request, exc: GenerationError) -> JSONResponse:
+        logger.error("request failed: %s", exc)
+        return response_for(exc)
 
-    @app.exception_handler(EngineOverloadedError)
-    async def _overloaded(_: Request, exc: EngineOverloadedError) -> JSONResponse:
-        return error_response(503, str(exc))
-
-    @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, str(exc))
+    def too_large() -> JSONResponse:
+        return error_response(413, f"the request body is larger than this server's limit of {max_body_bytes} "
+                                   "bytes (--max-request-body-bytes)")
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("request failed")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        if exc.status_code == 413:
+            return too_large()
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     # -- routes ---------------------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", responses={200: {"content": {"application/json": {"schema": {
+        "type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}}}}} | errors(401, 503))
     async def health() -> Response:
         if not engine.alive:
             return error_response(503, "the engine loop is not running")
@@ -192,36 +190,49 @@ def create_app(
         return JSONResponse({"load": engine.num_running + engine.num_waiting,
                              "num_running": engine.num_running, "num_waiting": engine.num_waiting})
 
-    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    @app.get("/v1/models", responses=errors(401))
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, root=engine.model_name, max_model_len=engine.max_model_len)])
 
-    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    generation_errors = errors(400, 401, 404, 408, 413, 500, 503)
+
+    @app.post("/v1/completions", responses=streamed(CompletionResponse, CompletionResponse) | generation_errors)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         submitted = await serving.submit("/v1/completions", "cmpl", serving.completion_requests(body), body.n)
         if body.stream:
-            return StreamingResponse(serving.completion_stream(body, submitted), media_type="text/event-stream")
+            return StreamingResponse(guarded_sse(serving.completion_stream(body, submitted)),
+                                     media_type="text/event-stream")
         return await _unless_disconnected(request, serving.completion(body, submitted))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/chat/completions", responses=streamed(ChatCompletionResponse, ChatCompletionChunk) | generation_errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         requests, tool_calling = serving.chat_requests(body)
         submitted = await serving.submit("/v1/chat/completions", "chatcmpl", requests, body.n, tool_calling)
         if body.stream:
-            return StreamingResponse(serving.chat_stream(body, submitted), media_type="text/event-stream")
+            return StreamingResponse(guarded_sse(serving.chat_stream(body, submitted)),
+                                     media_type="text/event-stream")
         return await _unless_disconnected(request, serving.chat(body, submitted))
 
-    @app.post("/generate")
+    @app.post("/generate", responses={200: {
+        "model": GenerateResponse,
+        "description": "The whole response; with `stream: true`, the text as it is generated (plain "
+                       "text; a request that fails after the stream has started ends with a line "
+                       "`[error] <message>`).",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }} | errors(400, 401, 408, 413, 500, 503))
     async def generate(body: GenerateRequest, request: Request) -> Response:
-        check_api_key(request)
         submitted = await serving.submit("/generate", "gen", serving.generate_requests(body), 1)
         if body.stream:
-            return StreamingResponse(serving.generate_stream(submitted), media_type="text/plain; charset=utf-8")
+            return StreamingResponse(guarded_text(serving.generate_stream(submitted)),
+                                     media_type="text/plain; charset=utf-8")
         return await _unless_disconnected(request, serving.generate(submitted))
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "The metrics in Prometheus' text format.",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }} | errors(401))
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
@@ -229,4 +240,12 @@ def create_app(
         from roseinfer.server.web_ui import add_web_ui
 
         add_web_ui(app)
+
+    if max_body_bytes is not None:
+        app.add_middleware(BodyLimit, max_bytes=max_body_bytes, respond=lambda status, message: too_large())
+    if api_key is not None:
+        open_paths = OPEN_PATHS - ({"/health", "/metrics", "/get_load"} if protect_metrics else set())
+        app.add_middleware(ApiKeyGuard, api_key=api_key, open_paths=open_paths, open_prefixes=OPEN_PREFIXES,
+                           respond=lambda status, message: error_response(status, message, code="invalid_api_key"))
+    app.add_middleware(ErrorGuard, respond=error_response)  # added last: the outermost
     return app

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from roseinfer.sampling_params import MAX_LOGPROBS, MAX_N
 
@@ -127,6 +127,8 @@ class SamplingFields(StrictModel):
                     if not (name in ROUTER_DEFAULTS and value is ROUTER_DEFAULTS[name])}
         return data
 
+    model_config = ConfigDict(allow_inf_nan=False)  # NaN and Infinity are named as such
+
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -163,11 +165,30 @@ class SamplingFields(StrictModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _non_empty_prompts(schema: dict[str, Any]) -> None:
+    """Say in the schema what `_prompt_not_empty` checks: no empty string, list or token list."""
+    for member in schema.get("anyOf", []):
+        if member.get("type") == "string":
+            member["minLength"] = 1
+        elif member.get("type") == "array":
+            member["minItems"] = 1
+            items = member.get("items", {})
+            items.update({"minLength": 1} if items.get("type") == "string" else {})
+            items.update({"minItems": 1} if items.get("type") == "array" else {})
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    prompt: Annotated[str | list[str] | TokenIds | list[TokenIds], Field(json_schema_extra=_non_empty_prompts)]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, prompt: str | list) -> str | list:
+        if not prompt or (isinstance(prompt, list) and any(not p for p in prompt if not isinstance(p, int))):
+            raise ValueError("a prompt must not be empty")
+        return prompt
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
@@ -185,10 +206,22 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, name, ... reach the template
+    # tool_calls, tool_call_id, name, ... reach the template. The schema says what `_needs_content` checks.
+    model_config = ConfigDict(extra="allow", json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {"required": ["role", "tool_calls"],
+         "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}}},
+    ]})
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _needs_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and getattr(self, "tool_calls", None)):
+            raise ValueError("an assistant message needs content or tool_calls" if self.role == "assistant"
+                             else f"a {self.role} message needs content")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -216,6 +249,8 @@ class ChatCompletionRequest(SamplingFields):
 
 class GenerateRequest(StrictModel):
     """The seed's native endpoint."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     prompt: Annotated[str, Field(min_length=1)]
     max_new_tokens: Annotated[int, Field(ge=1)] = 64

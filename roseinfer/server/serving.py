@@ -18,6 +18,7 @@ from roseinfer.errors import InvalidRequestError
 from roseinfer.input_processor import ChatPrompt
 from roseinfer.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from roseinfer.sampling_params import RequestOutputKind, SamplingParams
+from roseinfer.server.error_responses import GenerationError, error_event, status_of
 from roseinfer.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -44,10 +45,6 @@ from roseinfer.structured_output import StructuredOutputsParams
 from roseinfer.tool_parsers import Delta, ToolCallDelta
 
 logger = logging.getLogger("roseinfer.server")
-
-
-class GenerationError(RuntimeError):
-    """A request ended with finish_reason "error" (the engine step that ran it failed)."""
 
 
 def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | None:
@@ -225,7 +222,7 @@ class OpenAIServing:
             for completion in output.outputs:
                 index = submitted.choice_index(output, completion)
                 if completion.error is not None:
-                    yield _error_event(completion.error)
+                    yield _sse(error_event(GenerationError(f"generation failed: {completion.error}")))
                     continue
                 logprobs = None
                 if body.logprobs is not None and completion.logprobs:
@@ -309,7 +306,7 @@ class OpenAIServing:
         async for output in self._outputs(submitted):
             for completion in output.outputs:
                 if completion.error is not None:
-                    yield _error_event(completion.error)
+                    yield _sse(error_event(GenerationError(f"generation failed: {completion.error}")))
                     continue
                 index = completion.index
                 logprobs = self._chat_logprobs(completion.logprobs) if body.logprobs and completion.logprobs else None
@@ -371,5 +368,31 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _error_event(message: str) -> str:
-    return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": 500}})
+async def guarded_sse(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's events. If its request fails once the response has started (the engine stopped,
+    the time limit, a shutdown, a bug), an error event and [DONE] end it: the client hears why, and
+    the HTTP response still ends properly."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:
+        _log_stream_failure(exc)
+        yield _sse(error_event(exc))
+        yield "data: [DONE]\n\n"
+
+
+async def guarded_text(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The seed's plain-text stream; a failure after the start ends it with a line `[error] ...`."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:
+        _log_stream_failure(exc)
+        yield f"\n[error] {error_event(exc)['error']['message']}\n"
+
+
+def _log_stream_failure(exc: Exception) -> None:
+    if status_of(exc) == 500 and not isinstance(exc, GenerationError):
+        logger.exception("a stream failed")
+    else:
+        logger.info("a stream ended early: %s", exc)

@@ -33,6 +33,7 @@ from roseinfer.models.fused_decode import fused_decoder_for
 from roseinfer.outputs import TokenLogprob
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.step_timings import PhaseClock, StepTimings
+from roseinfer.worker.fault_injection import fault_token_from_env, raise_if_faulty
 from roseinfer.worker.sampler import Sampler, SamplingBatch
 from roseinfer.worker.spec_decode import verify_drafts
 
@@ -123,6 +124,7 @@ class ModelRunner:
             fused_decoder_for(model, model_config, self.dtype, self.device) if self.decode_kernel is not None else None
         )
         self.requests: dict[str, CachedRequestState] = {}
+        self.fault_token_id = fault_token_from_env()  # tests only (see fault_injection.py)
 
     # -- one step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -133,6 +135,11 @@ class ModelRunner:
         clock = PhaseClock(self.timings)
         inputs = self.prepare_inputs(scheduler_output)
         clock.lap("prepare")
+        if self.fault_token_id is not None:
+            raise_if_faulty(self.fault_token_id, [
+                (state := self.requests[req_id]).token_ids[: state.num_prompt_tokens]
+                for req_id in scheduler_output.num_scheduled_tokens
+            ])
         meta = inputs.meta
         if self.fused_decoder is not None and not meta.prefills and meta.num_decode_tokens <= MAX_FUSED_BATCH:
             # Every request decodes one token and samples it: the rows are the batch itself.
@@ -167,7 +174,11 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
-            self.requests[new.req_id] = CachedRequestState(new)
+            state = CachedRequestState(new)
+            known = self.requests.get(new.req_id)
+            if known is not None:  # sent again (the engine core replays a failed step): same random stream
+                state.generator = known.generator
+            self.requests[new.req_id] = state
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)

@@ -136,10 +136,18 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep each row's k largest logits (ties at the k-th value are kept too)."""
-    max_k = int(top_k.max())
-    values = logits.topk(max_k, dim=-1).values
-    kth = values.gather(1, (top_k - 1).clamp(min=0, max=max_k - 1)[:, None])
+    """Keep each row's k largest logits (ties at the k-th value are kept too); a k of the
+    vocabulary or more keeps every token. Only the limited rows are searched, for their largest k:
+    a row without a limit would otherwise make it a full sort of every row."""
+    vocab = logits.shape[-1]
+    limited = top_k < vocab
+    if not bool(limited.any()):
+        return logits
+    rows = limited.nonzero().squeeze(1)
+    row_k = top_k[rows]
+    values = logits[rows].topk(int(row_k.max()), dim=-1).values
+    kth = torch.full((logits.shape[0], 1), float("-inf"), dtype=logits.dtype, device=logits.device)
+    kth[rows] = values.gather(1, (row_k - 1).clamp(min=0)[:, None])  # the others keep everything
     return logits.masked_fill(logits < kth, float("-inf"))
 
 

@@ -1,0 +1,121 @@
+"""ASGI middleware around the app: the API key, checked before anything else is read; the body
+size limit; and a last guard that turns an unexpected exception into an error response without costing the client its
+connection.
+
+Starlette's own fallback for unhandled exceptions answers 500 and then re-raises, and uvicorn then
+closes the connection; the guard here answers and returns instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+from collections.abc import Callable
+
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger("roseinfer.server")
+
+ErrorResponder = Callable[[int, str], Response]
+
+
+class ApiKeyGuard:
+    """`Authorization: Bearer <key>` on every HTTP route but the open ones (the chat page and its
+    files, and whatever `open_paths` lists), checked before the body is read. The key is compared
+    as UTF-8 bytes in constant time, so any key and any header value can be compared."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: set[str], open_prefixes: tuple[str, ...],
+                 respond: ErrorResponder) -> None:
+        self.app = app
+        self.key = api_key.encode()
+        self.open_paths = open_paths
+        self.open_prefixes = open_prefixes
+        self.respond = respond
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._is_open(scope["path"]) or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        response = self.respond(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
+        await response(scope, receive, send)
+
+    def _is_open(self, path: str) -> bool:
+        return path in self.open_paths or path.startswith(self.open_prefixes)
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key)
+        return False
+
+
+class BodyLimit:
+    """Refuse a request body over `max_bytes` with a 413: at once when its Content-Length says so,
+    else as soon as the bytes read pass it (the HTTPException reaches the app's handler, which
+    names the limit). Starlette's own limiter answers in plain text, not with an error object."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, respond: ErrorResponder) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.respond = respond
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self.respond(413, "")(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise HTTPException(413)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class ErrorGuard:
+    """The outermost guard: an exception that escaped every handler is logged once and answered
+    with a 500 error object (or, once the response has started, the body is ended cleanly); a
+    client that went away while its body was being read is one INFO line."""
+
+    def __init__(self, app: ASGIApp, respond: ErrorResponder) -> None:
+        self.app = app
+        self.respond = respond
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except ClientDisconnect:
+            logger.info("%s %s: the client went away while sending its request", scope["method"], scope["path"])
+        except Exception as exc:
+            logger.exception("%s %s failed", scope["method"], scope["path"])
+            if not started:
+                response = self.respond(500, f"internal error: {type(exc).__name__}: {exc}")
+                await response(scope, receive, send)
+            else:  # best effort: a streamed body cut short still ends as a valid HTTP message
+                with contextlib.suppress(Exception):
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
