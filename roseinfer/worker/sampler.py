@@ -125,6 +125,10 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # Hugging Face's rule: shrink positive logits, push negative ones further down.
         penalty = batch.repetition_penalty[:, None].expand_as(logits)
         scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        # A penalty that rounds to 0 (or near it) in the logits' dtype would give inf and, times a
+        # token masked to -inf, NaN. Clamped to +-1e6 (certainty already; finite after any
+        # temperature), masked tokens kept masked.
+        scaled = torch.where(torch.isneginf(logits), logits, scaled.nan_to_num(0.0).clamp(-1e6, 1e6))
         logits = torch.where(batch.seen_mask, scaled, logits)
     if batch.output_counts is not None:
         counts = batch.output_counts
