@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_core_support import greedy_reference, make_core, request
 from support import tiny_hf_model
 
-from roseinfer.config import EngineConfig
 from roseinfer.core import serial
 from roseinfer.core.engine_core import EngineCore
 from roseinfer.core.messages import EngineCoreRequest, ModelRunnerOutput
-from roseinfer.models.loader import ModelSource
 from roseinfer.sampling_params import SamplingParams
 
 
@@ -22,25 +21,6 @@ from roseinfer.sampling_params import SamplingParams
 def tiny_llama(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     path = tmp_path_factory.mktemp("tiny") / "llama"
     return path, tiny_hf_model("llama", path)
-
-
-def make_core(path: Path, **overrides) -> EngineCore:
-    config = EngineConfig(model=str(path), **({"num_kv_blocks": 64, "block_size": 4} | overrides))
-    model_config = ModelSource.resolve(config.model).model_config()
-    config.resolve(model_config)
-    return EngineCore(config, model_config)
-
-
-def request(request_id: str, prompt: list[int], **params) -> EngineCoreRequest:
-    defaults = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
-    return EngineCoreRequest(request_id, prompt, SamplingParams(**(defaults | params)), [0], 0.0)
-
-
-def greedy_reference(model: torch.nn.Module, prompt: list[int], count: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=count, min_new_tokens=count, do_sample=False,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def run_to_end(core: EngineCore) -> dict[str, list[int]]:
