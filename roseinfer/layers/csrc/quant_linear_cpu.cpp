@@ -131,15 +131,16 @@ void q8_rows(const float* __restrict x, const int8_t* __restrict codes, const fl
 // one instruction does 64 of them, where expanding 4-bit codes to float lanes costs several per 16.
 // Expanding the codes was what bounded the float path, not reading the weights.
 
-// Quantize one block of a row (32 floats) to int8 codes; returns the scale, and the codes' sum.
-inline float quantize_block(const float* __restrict xb, __m128i& low, __m128i& high, int& code_sum) {
+// Quantize one block of a row (32 floats) to int8 codes; returns the scale, and the codes' sum
+// where `code_sum` is given (the 4-bit kernel's centring needs it, the 8-bit one does not).
+inline float quantize_block(const float* __restrict xb, __m128i& low, __m128i& high, int* code_sum) {
   const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
   const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
   low = _mm512_cvtsepi32_epi8(qa);
   high = _mm512_cvtsepi32_epi8(qb);
-  code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  if (code_sum) *code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
   return amax / 127.0f;
 }
 
@@ -160,7 +161,7 @@ void quantize_for_q4(const float* x, const float* xsums, int64_t M, int64_t K, i
     for (int64_t b = 0; b < blocks; ++b) {
       __m128i low, high;
       int code_sum;
-      dm[b] = quantize_block(x + m * K + b * kBlock, low, high, code_sum);
+      dm[b] = quantize_block(x + m * K + b * kBlock, low, high, &code_sum);
       centring[m * blocks + b] = 8.0f * (xsums[m * blocks + b] - dm[b] * static_cast<float>(code_sum));
       int8_t* dst = qm + (b / 4) * 128 + (b % 4) * 16;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), low);
@@ -182,8 +183,7 @@ void quantize_for_q8(const float* x, int64_t M, int64_t K, uint8_t* q, float* d)
     std::fill(dm, dm + pairs * 2, 0.0f);
     for (int64_t b = 0; b < blocks; ++b) {
       __m128i low, high;
-      int code_sum;
-      dm[b] = quantize_block(x + m * K + b * kBlock, low, high, code_sum);
+      dm[b] = quantize_block(x + m * K + b * kBlock, low, high, nullptr);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qm + b * kBlock), _mm_xor_si128(low, flip));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qm + b * kBlock + 16), _mm_xor_si128(high, flip));
     }
