@@ -136,6 +136,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str = "none"  # none | int8 | int4 (blocked weight-only linear layers; see layers/linear.py)
     block_size: int = 16
+    # auto: the model's dtype. bfloat16 / float16 halve a float32 model's KV cache (memory and the
+    # bytes decode attention reads); attention still computes in float32.
+    kv_cache_dtype: str = "auto"
     kv_cache_memory: float | None = None  # GiB for the KV pool; default below
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
     max_num_seqs: int = 64
@@ -184,6 +187,9 @@ class EngineConfig:
             raise bad("max_model_len", f"must be at least 2, got {self.max_model_len}")
         if self.dtype not in ("auto", *_DTYPES):
             raise bad("dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", *_DTYPES):
+            raise bad("kv_cache_dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.kv_cache_dtype!r}"
+                      " (8-bit KV caches are not supported)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATION_METHODS:
@@ -246,7 +252,7 @@ class EngineConfig:
         length = self.max_model_len or context
         if self.num_kv_blocks is None:
             gib = self.kv_cache_memory or self.DEFAULT_KV_CACHE_GIB
-            per_block = model_config.kv_block_bytes(self.block_size, self.torch_dtype, self.tensor_parallel_size)
+            per_block = model_config.kv_block_bytes(self.block_size, self.kv_cache_torch_dtype, self.tensor_parallel_size)
             budget = int(gib * GIB // per_block)
             if budget < 1:
                 raise InvalidRequestError(
@@ -301,9 +307,13 @@ class EngineConfig:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
 
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
+
 
 ENGINE_ARG_NAMES = (
-    "model", "tokenizer", "device", "dtype", "quantization", "block_size", "kv_cache_memory",
+    "model", "tokenizer", "device", "dtype", "quantization", "block_size", "kv_cache_dtype", "kv_cache_memory",
     "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
     "attention_backend", "tensor_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
     "master_addr", "master_port", "cpu_threads_bind", "cpu_allreduce", "speculative_config",
@@ -329,6 +339,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="linear-layer weights: none (the dtype's), or 8-bit / 4-bit blocks of 32 "
                             "(GGUF's Q8_0 / Q4_1; float32 activations); CPU only")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--kv-cache-dtype", default="auto",
+                       help="auto (the model's dtype) | bfloat16 | float16: a float32 model's KV cache in "
+                            "half the memory (attention still computes in float32)")
     group.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                        help="most memory for the KV cache in GiB (default "
                             f"{EngineConfig.DEFAULT_KV_CACHE_GIB:g}; less when max-num-seqs x max-model-len "

@@ -71,3 +71,47 @@ def test_each_backend_matches_transformers(backend, tmp_path, request):
     assert (engine.runner.decode_kernel is not None) == (backend == "cpp")
     worst = compare_logits_step_by_step(engine, reference, [[5, 9, 30, 31, 200], [7] * 20, [3]], 20)
     assert worst < 1e-3
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_float32_queries_over_a_16_bit_pool(kernel, cache_dtype):
+    """--kv-cache-dtype: the kernel reads a 16-bit pool for float32 queries and agrees with the
+    PyTorch path (which converts the gathered blocks), and with float32 attention over the same
+    rounded keys and values."""
+    lengths = [1, 15, 17, 100]
+    q, kv_cache, tables, lens = random_step(9, 3, 64, lengths, torch.float32)
+    pool = kv_cache.to(cache_dtype)
+    attention = PagedAttention(9, 3, 64, 64**-0.5)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(lengths),
+                             decode_block_tables=tables, decode_context_lens=lens, decode_kernel=kernel)
+    positions = torch.arange(tables.shape[1] * BLOCK_SIZE)
+    torch_meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(lengths),
+                                   decode_block_tables=tables, decode_context_lens=lens,
+                                   decode_mask=(positions[None, :] < lens[:, None])[:, None, None, :])
+    out = attention._decode(q, pool, meta)
+    assert out.dtype == torch.float32
+    assert (out - attention._decode(q, pool, torch_meta)).abs().max() < 1e-5
+    assert (out - attention._decode(q, pool.float(), meta)).abs().max() < 1e-5
+
+
+def test_16_bit_kv_cache_model_matches_transformers(tmp_path, request):
+    """A float32 model over a bfloat16 KV cache (both attention backends): the pool is bfloat16
+    and the logits stay close to transformers' float32 ones (keys and values rounded to 8 bits of
+    mantissa move them by ~1e-3 on this model)."""
+    reference = tiny_hf_model("llama", tmp_path / "llama")
+    for backend in ("cpp", "torch"):
+        if backend == "cpp":
+            request.getfixturevalue("kernel")
+        engine = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=32, attention_backend=backend,
+                                 kv_cache_dtype="bfloat16")
+        assert engine.runner.kv_caches[0].dtype == torch.bfloat16
+        worst = compare_logits_step_by_step(engine, reference, [[5, 9, 30, 31, 200], [7] * 20, [3]], 20)
+        assert 0 < worst < 2e-2, (backend, worst)
+
+
+def test_kv_cache_dtype_is_checked():
+    from roseinfer.config import EngineConfig
+    from roseinfer.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype .*'fp8'"):
+        EngineConfig(kv_cache_dtype="fp8")

@@ -53,8 +53,13 @@ def decode_logits_both_ways(engine: InferenceEngine, prompts: list[list[int]], s
 def test_fused_decode_logits_equal_the_op_by_op_forward(kind, quantization, tmp_path):
     tiny_hf_model(kind, tmp_path / kind)
     engine = InferenceEngine(str(tmp_path / kind), num_kv_blocks=64, quantization=quantization)
-    worst, _ = decode_logits_both_ways(engine, [[5, 9, 30, 31, 200], [7] * 20, list(range(40, 77))], steps=6)
-    assert worst < 1e-4, worst
+    worst, worst_kl = decode_logits_both_ways(engine, [[5, 9, 30, 31, 200], [7] * 20, list(range(40, 77))], steps=6)
+    if cpu_kernels().quantizes_activations():
+        # 8-bit activations: a last-bit difference between the two paths' sums (Qwen3's q/k norms
+        # run in PyTorch op by op) can move a value across a rounding step. See the next test.
+        assert worst_kl < 1e-3, (worst, worst_kl)
+    else:
+        assert worst < 1e-4, worst
 
 
 def test_default_model_next_token_distributions_with_and_without_the_fused_decoder(chat_prompt_ids):
@@ -73,3 +78,16 @@ def test_default_model_next_token_distributions_with_and_without_the_fused_decod
 def test_no_fused_decoder_where_it_does_not_apply(default_llm):
     assert default_llm.engine.runner.fused_decoder is None  # float32 weights: the op-by-op path
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_fused_decode_over_a_bfloat16_kv_cache(tmp_path):
+    """--kv-cache-dtype bfloat16: the C++ step writes and reads the 16-bit pool as the op-by-op
+    forward does (same rounding of keys and values)."""
+    tiny_hf_model("llama", tmp_path / "llama")
+    engine = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=64, quantization="int8", kv_cache_dtype="bfloat16")
+    assert engine.runner.kv_caches[0].dtype == torch.bfloat16
+    worst, worst_kl = decode_logits_both_ways(engine, [[5, 9, 30, 31, 200], [7] * 20, list(range(40, 77))], steps=6)
+    if cpu_kernels().quantizes_activations():
+        assert worst_kl < 1e-3, (worst, worst_kl)
+    else:
+        assert worst < 1e-4, worst

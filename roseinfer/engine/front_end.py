@@ -46,11 +46,12 @@ class EngineFrontEnd:
 
     def log_ready(self, seconds: float) -> None:
         config, model = self.config, self.model_config
-        kv_bytes = config.num_kv_blocks * model.kv_block_bytes(config.block_size, config.torch_dtype)
+        kv_bytes = config.num_kv_blocks * model.kv_block_bytes(config.block_size, config.kv_cache_torch_dtype)
         logger.info(
             "loaded %s (%s, %d layers) on %s/%s, quantization %s, in %.1fs; KV cache: %d blocks of %d tokens "
-            "(%.2f GiB), max_model_len %d",
+            "(%.2f GiB, %s), max_model_len %d",
             self.model_name, model.architecture, model.num_layers, config.torch_device,
             str(config.torch_dtype).removeprefix("torch."), config.quantization, seconds,
-            config.num_kv_blocks, config.block_size, kv_bytes / 1024**3, self.max_model_len,
+            config.num_kv_blocks, config.block_size, kv_bytes / 1024**3,
+            str(config.kv_cache_torch_dtype).removeprefix("torch."), self.max_model_len,
         )

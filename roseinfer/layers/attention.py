@@ -55,11 +55,12 @@ def causal_mask_with_prefix(num_cached: int, query_len: int, device: torch.devic
 
 
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store the step's new keys and values at their slots."""
+    """Store the step's new keys and values at their slots (rounded to the pool's dtype, which
+    `--kv-cache-dtype` may make narrower than the model's)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     slots = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    slots[0].index_copy_(0, slot_mapping, k)
-    slots[1].index_copy_(0, slot_mapping, v)
+    slots[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    slots[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -115,8 +116,8 @@ class PagedAttention(nn.Module):
             )
         batch = q.shape[0]
         block_ids = meta.decode_block_tables.view(-1)
-        keys = gather_blocks(kv_cache[0], block_ids).view(batch, -1, self.num_kv_heads, self.head_dim)
-        values = gather_blocks(kv_cache[1], block_ids).view(batch, -1, self.num_kv_heads, self.head_dim)
+        keys = gather_blocks(kv_cache[0], block_ids).view(batch, -1, self.num_kv_heads, self.head_dim).to(q.dtype)
+        values = gather_blocks(kv_cache[1], block_ids).view(batch, -1, self.num_kv_heads, self.head_dim).to(q.dtype)
         # One query token per request: the heads sharing a KV head become that head's query rows,
         # so grouped-query attention needs no copies of K and V.
         grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
@@ -139,8 +140,8 @@ class PagedAttention(nn.Module):
             keys, values, mask, causal = k, v, None, True
         else:
             context = chunk.num_cached + chunk.query_len
-            keys = gather_blocks(kv_cache[0], chunk.block_ids)[:context]
-            values = gather_blocks(kv_cache[1], chunk.block_ids)[:context]
+            keys = gather_blocks(kv_cache[0], chunk.block_ids)[:context].to(q.dtype)
+            values = gather_blocks(kv_cache[1], chunk.block_ids)[:context].to(q.dtype)
             mask, causal = chunk.mask, False
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),

@@ -3,7 +3,8 @@
 - Decode attention: the plain PyTorch path gathers every sequence's blocks into a padded copy,
   then runs SDPA over it, reading the KV cache three times; the kernel reads it once, straight
   through the block tables (2-3x faster at batch 64 here).
-- RMSNorm and the residual add before it in one pass (PyTorch runs ~6 small kernels for them).
+- RMSNorm and the residual add before it in one pass (PyTorch runs ~6 small kernels for them);
+  rotary embedding in place in one pass (PyTorch: four).
 - Linear layers with GGUF-style blocked weights (4-bit and 8-bit blocks of 32) for small batches,
   expanded in registers against float activations (see quant_linear_cpu.cpp).
 - A whole decode step of a Llama-family model with such weights in one call (llama_decode_cpu.cpp).
@@ -27,8 +28,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("bindings.cpp", "paged_attention_cpu.cpp", "norm_cpu.cpp", "quant_linear_cpu.cpp",
-                 "llama_decode_cpu.cpp")
+    for name in ("bindings.cpp", "paged_attention_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp",
+                 "quant_linear_cpu.cpp", "llama_decode_cpu.cpp")
 ]
 # -march=native: the build is for this CPU; its name carries the CPU's feature flags so a cache
 # shared with another machine never loads code built for different instructions.

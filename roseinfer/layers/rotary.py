@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from roseinfer.errors import ModelLoadError
+from roseinfer.layers.cpu_kernels import cpu_kernels
 
 
 def rope_inverse_frequencies(
@@ -68,7 +69,12 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim] with rotary pairs adjacent (see module docstring)."""
+    """x: [num_tokens, heads, head_dim] with rotary pairs adjacent (see module docstring). On the
+    CPU, with the C++ kernels, x is rotated in place (one pass, no float copies) and returned."""
+    kernels = cpu_kernels() if x.device.type == "cpu" else None
+    if kernels is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        kernels.rotary_embedding_(x, torch.view_as_real(rotations))
+        return x
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotations).flatten(-2).to(x.dtype)
 

@@ -18,6 +18,7 @@ from roseinfer.config import ModelConfig
 from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.layers.cpu_kernels import cpu_kernels
 from roseinfer.layers.linear import BlockQuantLinear
+from roseinfer.layers.rotary import RotaryEmbedding
 
 MAX_BATCH = 16  # past this the op-by-op forward's dispatch cost is small beside its arithmetic
 
@@ -26,7 +27,9 @@ def _linear(layer: nn.Module) -> list[torch.Tensor | None]:
     return [layer.codes, layer.scales, layer.minimums, layer.bias]
 
 
-def fused_decoder_for(model: nn.Module, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> Any | None:
+def fused_decoder_for(
+    model: nn.Module, config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> FusedDecoder | None:
     """The C++ decoder of `model`, or None where it does not apply (another architecture,
     activation, dtype or device, float linear layers, tensor-parallel shards, no C++ kernels)."""
     kernels = cpu_kernels()
@@ -53,11 +56,26 @@ def fused_decoder_for(model: nn.Module, config: ModelConfig, dtype: torch.dtype,
             *_linear(mlp.gate_up_proj),
             *_linear(mlp.down_proj),
         ])
-    return kernels.LlamaDecoder(
+    return FusedDecoder(kernels.LlamaDecoder(
         config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
         config.norm_eps, model.model.embed_tokens.weight.detach(), model.model.norm.weight.detach(),
-        _linear(model.lm_head), model.rotary.inv_freq, layers,
-    )
+        _linear(model.lm_head), layers,
+    ), model.rotary)
+
+
+class FusedDecoder:
+    """The C++ step, fed the model's own rotary angles: with the same cos/sin and the same rotation
+    code (cpu_kernels.h) the two paths round q and k identically."""
+
+    def __init__(self, decoder: Any, rotary: RotaryEmbedding) -> None:
+        self.decoder = decoder
+        self.rotary = rotary
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """One decode step for every row: logits [rows, vocabulary]."""
+        rotations = torch.view_as_real(self.rotary.rotations(positions))
+        return self.decoder.forward(token_ids, rotations, slot_mapping, block_tables, context_lens, kv_caches)
 
 
 def _is_projection(module: nn.Module) -> bool:

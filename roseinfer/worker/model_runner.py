@@ -116,7 +116,7 @@ class ModelRunner:
         tp = get_tp_group()
         kv_heads = partition(model_config.num_kv_heads, tp.size, tp.rank)[1]
         shape = (2, config.num_kv_blocks, self.block_size, kv_heads, model_config.head_dim)
-        self.kv_caches = [zeroed_untouched(shape, self.dtype, self.device) for _ in range(model_config.num_layers)]
+        self.kv_caches = [zeroed_untouched(shape, config.kv_cache_torch_dtype, self.device) for _ in range(model_config.num_layers)]
         self.sampler = Sampler()
         self.decode_kernel = decode_kernel_for(config.attention_backend, self.device)
         # Decode-only steps of small batches in one C++ call (float32 Llama with blocked weights).

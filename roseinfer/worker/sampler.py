@@ -48,6 +48,8 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if _argmax_only(batch):  # the max of bfloat16 logits is the max of their float copies
+            return SamplerOutput(greedy_tokens(logits))
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
 
@@ -112,6 +114,15 @@ class Sampler:
         if batch.max_logprobs:
             top_values, top_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)
         return SamplerOutput(sampled, chosen, top_ids, top_values)
+
+
+def _argmax_only(batch: SamplingBatch) -> bool:
+    """Every row greedy with nothing that changes or reports the logits."""
+    return (
+        batch.all_greedy and batch.max_logprobs is None and batch.logit_bias is None and batch.bitmask is None
+        and not batch.banned and batch.repetition_penalty is None and batch.frequency_penalty is None
+        and batch.presence_penalty is None
+    )
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool quantize_x);
 torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins);
 torch::Tensor q8_dequantize(torch::Tensor codes, torch::Tensor scales);
+void rotary_embedding_(torch::Tensor x, torch::Tensor rotations);
 void bind_llama_decoder(pybind11::module& m);
 bool quantizes_activations();
 
@@ -18,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "x / rms(x) * weight over the last dimension (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "in place: residual += x; x = rms_norm(residual) * weight (CPU)");
+  m.def("rotary_embedding_", &rotary_embedding_, "in place: rotary embedding on adjacent pairs (CPU)");
   m.def("q4_linear", &q4_linear, "x @ w.T for 4-bit blocked weights (GGUF Q4_1 layout)");
   m.def("q8_linear", &q8_linear, "x @ w.T for 8-bit blocked weights (GGUF Q8_0 layout)", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("quantize_x") = true);

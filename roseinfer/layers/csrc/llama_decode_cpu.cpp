@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -79,24 +80,12 @@ void rms_norm_rows(const float* in, const float* weight, float* out, int64_t row
   }
 }
 
-// (x0, x1) pairs rotated by angle position * inv_freq[i], as models/rotary.py does.
-void rotate(float* heads_data, int64_t heads, int64_t head_dim, const float* cos, const float* sin) {
-  for (int64_t h = 0; h < heads; ++h) {
-    float* x = heads_data + h * head_dim;
-    for (int64_t i = 0; i < head_dim / 2; ++i) {
-      const float a = x[2 * i], b = x[2 * i + 1];
-      x[2 * i] = a * cos[i] - b * sin[i];
-      x[2 * i + 1] = a * sin[i] + b * cos[i];
-    }
-  }
-}
-
 }  // namespace
 
 class LlamaDecoder {
  public:
   LlamaDecoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-               torch::Tensor embed, torch::Tensor final_norm, std::vector<OptTensor> head, torch::Tensor inv_freq,
+               torch::Tensor embed, torch::Tensor final_norm, std::vector<OptTensor> head,
                std::vector<std::vector<OptTensor>> layers)
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate),
         eps_(static_cast<float>(eps)) {
@@ -105,7 +94,6 @@ class LlamaDecoder {
     TORCH_CHECK(head.size() == 4, "head: codes, scales, mins, bias");
     head_ = BlockedLinear(head[0], head[1], head[2], head[3]);
     head_.quantize_x = false;  // bound by reading its weights: exact activations cost nothing here
-    inv_freq_ = inv_freq.contiguous().to(torch::kFloat);
     for (auto& t : layers) {
       TORCH_CHECK(t.size() == 20, "a layer is 20 tensors (see LlamaDecoder in models/fused_decode.py)");
       Layer layer;
@@ -121,65 +109,79 @@ class LlamaDecoder {
     }
   }
 
-  // token_ids, positions, slot_mapping, context_lens [B] int64; block_tables [B, max_blocks]
-  // int64; kv_caches: per layer [2, blocks, block_size, kv_heads, head_dim] float32. -> logits [B, V].
-  torch::Tensor forward(torch::Tensor token_ids, torch::Tensor positions, torch::Tensor slot_mapping,
+  // token_ids, slot_mapping, context_lens [B] int64; rotations [B, ..., head_dim / 2, 2] float32
+  // (cos, sin) of each row's rotary angles, as models/rotary.py computes them; block_tables
+  // [B, max_blocks] int64; kv_caches: per layer [2, blocks, block_size, kv_heads, head_dim] float32.
+  // -> logits [B, V].
+  torch::Tensor forward(torch::Tensor token_ids, torch::Tensor rotations, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor context_lens, std::vector<torch::Tensor> kv_caches) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV pool per layer");
     const int64_t B = token_ids.size(0), H = hidden_, D = head_dim_;
     const int64_t q_size = heads_ * D, kv_size = kv_heads_ * D, qkv_size = q_size + 2 * kv_size;
     token_ids = token_ids.contiguous();
-    positions = positions.contiguous();
+    rotations = rotations.contiguous();
+    TORCH_CHECK(rotations.scalar_type() == torch::kFloat && rotations.numel() == B * D,
+                "rotations: [B, head_dim / 2, 2] float32");
     slot_mapping = slot_mapping.contiguous();
     block_tables = block_tables.contiguous();
     context_lens = context_lens.contiguous();
     const int64_t* ids = token_ids.data_ptr<int64_t>();
-    const int64_t* pos = positions.data_ptr<int64_t>();
+    const float* rot = rotations.data_ptr<float>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     const int64_t* tables = block_tables.data_ptr<int64_t>();
     const int64_t* lens = context_lens.data_ptr<int64_t>();
     const int64_t max_blocks = block_tables.size(1);
 
     std::vector<float> residual(B * H), normed(B * H), qkv(B * qkv_size), attn(B * q_size), mlp(B * 2 * intermediate_),
-        act(B * intermediate_), out(B * H), xsums, cos(B * D / 2), sin(B * D / 2);
+        act(B * intermediate_), out(B * H), xsums;
     const float* embed = embed_.data_ptr<float>();
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(ids[b] >= 0 && ids[b] < embed_.size(0), "token id out of range");
       std::copy(embed + ids[b] * H, embed + (ids[b] + 1) * H, residual.begin() + b * H);
-      const float* inv = inv_freq_.data_ptr<float>();
-      for (int64_t i = 0; i < D / 2; ++i) {
-        const float angle = static_cast<float>(pos[b]) * inv[i];
-        cos[b * D / 2 + i] = std::cos(angle);
-        sin[b * D / 2 + i] = std::sin(angle);
-      }
     }
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
       rms_norm_rows(residual.data(), layer.attn_norm.data_ptr<float>(), normed.data(), B, H, eps_);
       layer.qkv.apply(normed.data(), B, qkv.data(), xsums);
-      float* pool = kv_caches[l].data_ptr<float>();
       const int64_t pool_half = kv_caches[l].numel() / 2;  // keys, then values
       for (int64_t b = 0; b < B; ++b) {
         float* q = qkv.data() + b * qkv_size;
         float* k = q + q_size;
-        const float* v = k + kv_size;
         if (layer.q_norm.defined()) {
           rms_norm_rows(q, layer.q_norm.data_ptr<float>(), q, heads_, D, eps_);
           rms_norm_rows(k, layer.k_norm.data_ptr<float>(), k, kv_heads_, D, eps_);
         }
-        rotate(q, heads_, D, cos.data() + b * D / 2, sin.data() + b * D / 2);
-        rotate(k, kv_heads_, D, cos.data() + b * D / 2, sin.data() + b * D / 2);
-        std::copy(k, k + kv_size, pool + slots[b] * kv_size);
-        std::copy(v, v + kv_size, pool + pool_half + slots[b] * kv_size);
+        roseinfer::rotate_heads(q, heads_, D, rot + b * D);
+        roseinfer::rotate_heads(k, kv_heads_, D, rot + b * D);
       }
-      at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores, work;
-        for (int64_t b = begin; b < end; ++b)
-          roseinfer::paged_attention_sequence(qkv.data() + b * qkv_size, pool, pool + pool_half, tables + b * max_blocks,
-                                              lens[b], heads_, kv_heads_, kv_caches[l].size(2), D, scale,
-                                              attn.data() + b * q_size, scores, work);
-      });
+      // The pool is float32, or 16-bit with --kv-cache-dtype.
+      auto attend = [&](auto* pool) {
+        using scalar_t = std::remove_pointer_t<decltype(pool)>;
+        for (int64_t b = 0; b < B; ++b) {
+          const float* k = qkv.data() + b * qkv_size + q_size;
+          const float* v = k + kv_size;
+          scalar_t* k_slot = pool + slots[b] * kv_size;
+          scalar_t* v_slot = pool + pool_half + slots[b] * kv_size;
+          for (int64_t i = 0; i < kv_size; ++i) {
+            roseinfer::store_float(k_slot + i, k[i]);
+            roseinfer::store_float(v_slot + i, v[i]);
+          }
+        }
+        at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+          std::vector<float> scores, work;
+          for (int64_t b = begin; b < end; ++b)
+            roseinfer::paged_attention_sequence<scalar_t>(
+                qkv.data() + b * qkv_size, pool, pool + pool_half, tables + b * max_blocks, lens[b], heads_, kv_heads_,
+                kv_caches[l].size(2), D, scale, attn.data() + b * q_size, scores, work);
+        });
+      };
+      switch (kv_caches[l].scalar_type()) {
+        case torch::kFloat: attend(kv_caches[l].data_ptr<float>()); break;
+        case torch::kBFloat16: attend(kv_caches[l].data_ptr<c10::BFloat16>()); break;
+        case torch::kHalf: attend(kv_caches[l].data_ptr<c10::Half>()); break;
+        default: TORCH_CHECK(false, "the KV pool must be float32, bfloat16 or float16");
+      }
       layer.o.apply(attn.data(), B, out.data(), xsums);
       for (int64_t i = 0; i < B * H; ++i) residual[i] += out[i];
       rms_norm_rows(residual.data(), layer.mlp_norm.data_ptr<float>(), normed.data(), B, H, eps_);
@@ -203,7 +205,7 @@ class LlamaDecoder {
  private:
   int64_t hidden_, heads_, kv_heads_, head_dim_, intermediate_;
   float eps_;
-  torch::Tensor embed_, final_norm_, inv_freq_;
+  torch::Tensor embed_, final_norm_;
   BlockedLinear head_;
   std::vector<Layer> layers_;
 };
@@ -211,6 +213,6 @@ class LlamaDecoder {
 void bind_llama_decoder(pybind11::module& m) {
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
-                          std::vector<OptTensor>, torch::Tensor, std::vector<std::vector<OptTensor>>>())
+                          std::vector<OptTensor>, std::vector<std::vector<OptTensor>>>())
       .def("forward", &LlamaDecoder::forward, "one decode step: token ids -> logits (see the source's header)");
 }

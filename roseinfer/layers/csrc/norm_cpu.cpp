@@ -11,6 +11,8 @@
 
 #include <cmath>
 
+#include "cpu_kernels.h"
+
 namespace {
 
 // Rows per parallel task: enough work per task that threads are not started for a handful of rows.
@@ -23,12 +25,12 @@ void norm_rows(const scalar_t* __restrict in, const scalar_t* __restrict weight,
     const scalar_t* __restrict row = in + r * dim;
     float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
-    for (int64_t d = 0; d < dim; ++d) squares += static_cast<float>(row[d]) * static_cast<float>(row[d]);
+    for (int64_t d = 0; d < dim; ++d) squares += roseinfer::load_float(row + d) * roseinfer::load_float(row + d);
     const float inv_rms = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
     scalar_t* __restrict dst = out + r * dim;
 #pragma omp simd
     for (int64_t d = 0; d < dim; ++d)
-      dst[d] = static_cast<scalar_t>(static_cast<float>(row[d]) * inv_rms * static_cast<float>(weight[d]));
+      roseinfer::store_float(dst + d, roseinfer::load_float(row + d) * inv_rms * roseinfer::load_float(weight + d));
   }
 }
 
@@ -37,7 +39,7 @@ void add_rows(scalar_t* __restrict residual, const scalar_t* __restrict x, int64
               int64_t dim) {
 #pragma omp simd
   for (int64_t i = begin * dim; i < end * dim; ++i)
-    residual[i] = static_cast<scalar_t>(static_cast<float>(residual[i]) + static_cast<float>(x[i]));
+    roseinfer::store_float(residual + i, roseinfer::load_float(residual + i) + roseinfer::load_float(x + i));
 }
 
 void check(const torch::Tensor& x, const torch::Tensor& weight) {
