@@ -24,34 +24,40 @@ _BLOCK_SIZE = 16
 
 @dataclass(frozen=True)
 class Mode:
-    """A dtype and quantization method, written `dtype+quantization` on the command line."""
+    """A dtype, a quantization method and optionally a KV cache dtype, written
+    `dtype+quantization[+kv_cache_dtype]` on the command line (e.g. float32+int4+bfloat16)."""
 
     dtype: str
     quantization: str
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def parse(cls, text: str) -> Mode:
-        dtype, plus, quantization = text.partition("+")
-        if not plus or not dtype or not quantization:
-            raise ValueError(f"expected DTYPE+QUANTIZATION (e.g. float32+int4), got {text!r}")
-        return cls(dtype, quantization)
+        parts = text.split("+")
+        if len(parts) not in (2, 3) or not all(parts):
+            raise ValueError(f"expected DTYPE+QUANTIZATION[+KV_CACHE_DTYPE] (e.g. float32+int4), got {text!r}")
+        return cls(*parts)
 
     def __str__(self) -> str:
-        return f"{self.dtype}+{self.quantization}"
+        kv = "" if self.kv_cache_dtype == "auto" else f"+{self.kv_cache_dtype}"
+        return f"{self.dtype}+{self.quantization}{kv}"
 
 
 class ChunkLogits:
     """One loaded model, ready to compute the logits of chunks of up to `max_tokens`."""
 
     def __init__(
-        self, model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_tokens: int
+        self, model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_tokens: int,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.device = device
         self.max_tokens = max_tokens
         num_blocks = -(-max_tokens // _BLOCK_SIZE)
         shape = (2, num_blocks, _BLOCK_SIZE, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.kv_caches = [
+            torch.zeros(shape, dtype=kv_cache_dtype or dtype, device=device) for _ in range(config.num_layers)
+        ]
 
     @classmethod
     def load(
@@ -59,10 +65,13 @@ class ChunkLogits:
     ) -> tuple[ChunkLogits, Tokenizer]:
         """Load `model` in `mode` as the engine would (arguments as the engine's); also its tokenizer."""
         config = EngineConfig.from_kwargs(
-            model=model, tokenizer=tokenizer, device=device, dtype=mode.dtype, quantization=mode.quantization
+            model=model, tokenizer=tokenizer, device=device, dtype=mode.dtype, quantization=mode.quantization,
+            kv_cache_dtype=mode.kv_cache_dtype,
         )
         loaded = load_model(config.model, config.tokenizer, config.torch_device, config.torch_dtype, config.quantization)
-        return cls(loaded.model, loaded.config, config.torch_device, config.torch_dtype, max_tokens), loaded.tokenizer
+        chunk_logits = cls(loaded.model, loaded.config, config.torch_device, config.torch_dtype, max_tokens,
+                           config.kv_cache_torch_dtype)
+        return chunk_logits, loaded.tokenizer
 
     @torch.inference_mode()
     def __call__(self, token_ids: Sequence[int], rows: slice, tokens_per_step: int | None = None) -> torch.Tensor:

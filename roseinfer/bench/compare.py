@@ -78,6 +78,21 @@ class _Server:
         self.stop()
         raise RuntimeError(f"{name} did not start in {startup_timeout:.0f}s; see {self.log.name}")
 
+    def peak_rss_mib(self) -> float:
+        """The peak resident memory (VmHWM) of the server's process and its children (vLLM runs
+        its engine in a child process), summed: pages two of them share are counted twice."""
+        total_kib, pending = 0, [self.process.pid]
+        while pending:
+            pid = pending.pop()
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    pending += [int(child) for child in (task / "children").read_text().split()]
+            except OSError:  # gone, or not Linux
+                continue
+            total_kib += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+        return round(total_kib / 1024, 1)
+
     def stop(self) -> None:
         self.process.send_signal(signal.SIGINT)
         try:
@@ -118,11 +133,13 @@ def _servers(args: argparse.Namespace) -> list[tuple[str, list[str], dict[str, s
         hf_dir = Path(tempfile.gettempdir()) / f"roseinfer-export-{gguf.stem}"
         if not (hf_dir / "config.json").is_file():
             subprocess.run(_roseinfer("export-hf", "--model", str(gguf), "--output", str(hf_dir)), check=True)
-        port = _free_port()
-        servers.append(("vLLM", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                 str(hf_dir), "--served-model-name", gguf.stem, "--port", str(port),
-                                 "--dtype", "float32", "--max-num-seqs", str(args.num_prompts)],
-                        {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}, port))
+        for dtype in args.vllm_dtype:
+            port = _free_port()
+            servers.append((_vllm_name(dtype), [
+                args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+                "--served-model-name", gguf.stem, "--port", str(port), "--dtype", dtype,
+                "--max-num-seqs", str(args.num_prompts),
+            ], {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}, port))
     else:
         print("note: vLLM skipped (give --vllm-python PATH, a Python with `vllm` importable)")
     if args.llama_server:
@@ -133,6 +150,10 @@ def _servers(args: argparse.Namespace) -> list[tuple[str, list[str], dict[str, s
     else:
         print("note: llama.cpp skipped (give --llama-server PATH to a llama-server binary)")
     return [(name, command, env | {"_PORT": str(port)}) for name, command, env, port in servers]
+
+
+def _vllm_name(dtype: str) -> str:
+    return "vLLM" if dtype == "float32" else f"vLLM {dtype}"
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -157,6 +178,7 @@ def run_compare(args: argparse.Namespace) -> int:
             continue
         try:
             report["served"][name] = _served(server, args)
+            report["served"][name]["peak_rss_mib"] = server.peak_rss_mib()
         finally:
             server.stop()
     print_report(report)
@@ -170,7 +192,8 @@ def print_report(report: dict[str, Any]) -> None:
     served = report["served"]
     print(f"\nmachine: {report['machine']}; workload: {report['workload']}")
     width = max([len(f"{name} (offline)") for name in offline] + [len(f"{name} (served)") for name in served] + [6])
-    print(f"{'system':<{width}} {'tok/s (batch)':>13} {'TTFT p50':>9} {'Poisson TTFT/TPOT p50':>22} {'1 stream':>9}")
+    print(f"{'system':<{width}} {'tok/s (batch)':>13} {'TTFT p50':>9} {'Poisson TTFT/TPOT p50':>22} {'1 stream':>9} "
+          f"{'peak RSS':>9}")
     for system, value in offline.items():
         if "single-stream" in system:
             continue
@@ -182,8 +205,9 @@ def print_report(report: dict[str, Any]) -> None:
             print(f"{system + ' (offline)':<{width}} {'':>13} {'':>9} {'':>22} {value:>9.1f}")
     for name, runs in served.items():
         a, p, s = runs["all_at_once"], runs["poisson"], runs["single_stream"]
+        rss = f"{runs['peak_rss_mib']:.0f} MiB" if runs.get("peak_rss_mib") else ""
         print(f"{name + ' (served)':<{width}} {a['output_throughput']:>13.1f} {a['ttft_p50_ms']:>7.0f}ms "
-              f"{p['ttft_p50_ms']:>10.0f} / {p['tpot_p50_ms']:>6.1f} ms {s['output_throughput']:>9.1f}")
+              f"{p['ttft_p50_ms']:>10.0f} / {p['tpot_p50_ms']:>6.1f} ms {s['output_throughput']:>9.1f} {rss:>9}")
     print()
     best_hf = max((v for k, v in offline.items() if k.startswith("transformers (static")), default=None)
     if best_hf and "roseinfer" in offline:
@@ -195,8 +219,12 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"served roseinfer / vLLM: {ours['all_at_once']['output_throughput'] / vllm['output_throughput']:.2f}x "
               f"(target >= 1.5x); TTFT p50 {ours['all_at_once']['ttft_p50_ms']:.0f} vs {vllm['ttft_p50_ms']:.0f} ms")
         for name, runs in served.items():
-            if name.startswith("roseinfer "):  # the variants (other dtypes, quantization)
-                print(f"served {name} / vLLM: {runs['all_at_once']['output_throughput'] / vllm['output_throughput']:.2f}x")
+            if name.startswith("roseinfer "):  # the variants (other dtypes, quantization): like with like
+                peer_name = "vLLM bfloat16" if "bfloat16" in name and "--dtype" in name else "vLLM"
+                peer = served.get(peer_name, {}).get("all_at_once")
+                if peer:
+                    print(f"served {name} / {peer_name}: "
+                          f"{runs['all_at_once']['output_throughput'] / peer['output_throughput']:.2f}x")
     if ours:
         print(f"Poisson: TTFT p50 {ours['poisson']['ttft_p50_ms']:.0f} ms (target <= 200), "
               f"TPOT p50 {ours['poisson']['tpot_p50_ms']:.1f} ms (target <= 42)")
@@ -218,6 +246,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate, requests/s")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--vllm-python", default=None, help="a Python interpreter that can import vllm")
+    parser.add_argument("--vllm-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                        help="vLLM's --dtype, one server each (default: float32)")
     parser.add_argument("--llama-server", default=None, help="a llama-server binary")
     parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server -np (slots)")
     parser.add_argument("--roseinfer-variant", action="append", default=[], metavar="FLAGS",

@@ -178,10 +178,13 @@ def _mode(text: str) -> str:
         mode = Mode.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
-    if mode.dtype not in ("float32", "bfloat16", "float16") or mode.quantization not in QUANTIZATION_METHODS:
+    dtypes = ("float32", "bfloat16", "float16")
+    if mode.dtype not in dtypes or mode.quantization not in QUANTIZATION_METHODS or (
+        mode.kv_cache_dtype not in ("auto", *dtypes)
+    ):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: the dtype must be float32, bfloat16 or float16 and the quantization one of "
-            f"{', '.join(QUANTIZATION_METHODS)}"
+            f"{text!r}: the dtype (and KV cache dtype) must be float32, bfloat16 or float16 and the quantization "
+            f"one of {', '.join(QUANTIZATION_METHODS)}"
         )
     return text
 
@@ -207,7 +210,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
                         help="GGUF file or Hugging Face model directory (default: the default model)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (bare checkpoints)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
-    parser.add_argument("--methods", nargs="+", type=_mode, default=DEFAULT_MODES, metavar="DTYPE+QUANTIZATION",
+    parser.add_argument("--methods", nargs="+", type=_mode, default=DEFAULT_MODES, metavar="DTYPE+QUANTIZATION[+KV_DTYPE]",
                         help="modes scored against float32+none (default: %(default)s)")
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
                         help="UTF-8 text to score (default: the shipped State of the Union addresses)")
