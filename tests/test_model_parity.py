@@ -61,3 +61,24 @@ def test_seed_checkpoint_logits_match_transformers(tmp_path):
 def test_default_model_logits_match_transformers(default_engine, hf_default_model, chat_prompt_ids):
     worst = compare_logits_step_by_step(default_engine, hf_default_model, chat_prompt_ids[:3], 4)
     assert worst < TOLERANCE
+
+
+def test_embedding_tables_are_kept_as_8bit_blocks_only_where_exact(tmp_path):
+    """The default model's Q8_0 embedding is stored as its blocks (its float values come back
+    exactly: the token-exact tests above run through it); a random float table stays as it is."""
+    from gguf import GGUFReader, dequantize
+
+    from roseinfer import LLM
+    from roseinfer.layers.parallel import VocabParallelEmbedding
+    from roseinfer.models.default_model import default_model_path
+
+    llm_embedding = LLM(kv_cache_memory=0.05).engine.runner.model.model.embed_tokens
+    assert llm_embedding.codes is not None and llm_embedding.weight.numel() == 0
+    tensor = next(t for t in GGUFReader(default_model_path()).tensors if t.name == "token_embd.weight")
+    table = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).float()  # gguf's own reading
+    ids = torch.tensor([0, 1, 17, 9000, table.shape[0] - 1])
+    assert torch.equal(llm_embedding(ids), table[ids])
+
+    random_table = VocabParallelEmbedding(64, 32)
+    random_table.weight.data.normal_()
+    assert not random_table.store_as_8bit_blocks_if_exact() and random_table.codes is None

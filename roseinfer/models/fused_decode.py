@@ -58,24 +58,26 @@ def fused_decoder_for(
         ])
     return FusedDecoder(kernels.LlamaDecoder(
         config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
-        config.norm_eps, model.model.embed_tokens.weight.detach(), model.model.norm.weight.detach(),
-        _linear(model.lm_head), layers,
-    ), model.rotary)
+        config.norm_eps, model.model.norm.weight.detach(), _linear(model.lm_head), layers,
+    ), model.model.embed_tokens, model.rotary)
 
 
 class FusedDecoder:
-    """The C++ step, fed the model's own rotary angles: with the same cos/sin and the same rotation
-    code (cpu_kernels.h) the two paths round q and k identically."""
+    """The C++ step, fed the model's own token embeddings (the table may be stored as 8-bit
+    blocks, see layers/parallel.py) and rotary angles: with the same cos/sin and the same rotation
+    code (cpu_kernels.h) the two paths rotate q and k alike."""
 
-    def __init__(self, decoder: Any, rotary: RotaryEmbedding) -> None:
+    def __init__(self, decoder: Any, embedding: nn.Module, rotary: RotaryEmbedding) -> None:
         self.decoder = decoder
+        self.embedding = embedding
         self.rotary = rotary
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """One decode step for every row: logits [rows, vocabulary]."""
         rotations = torch.view_as_real(self.rotary.rotations(positions))
-        return self.decoder.forward(token_ids, rotations, slot_mapping, block_tables, context_lens, kv_caches)
+        embedded = self.embedding(token_ids)
+        return self.decoder.forward(embedded, rotations, slot_mapping, block_tables, context_lens, kv_caches)
 
 
 def _is_projection(module: nn.Module) -> bool:

@@ -10,6 +10,7 @@ from torch import nn
 from roseinfer.config import ModelConfig
 from roseinfer.errors import ModelLoadError
 from roseinfer.layers.linear import prepare_linear_layers
+from roseinfer.layers.parallel import store_embeddings_compactly
 from roseinfer.models.gpt2 import GPT2LMHeadModel
 from roseinfer.models.llama import LlamaForCausalLM
 
@@ -41,4 +42,5 @@ def build_model(
         model.rotary.to(device)
     model.requires_grad_(False)
     prepare_linear_layers(model, quantization, device)
+    store_embeddings_compactly(model)  # after the LM head took its own copy of a tied table
     return model.eval()

@@ -34,9 +34,8 @@ inline void store_float<c10::BFloat16>(c10::BFloat16* p, float value) {
 }
 
 // In place: one token's heads [heads, head_dim], adjacent pairs (x0, x1) rotated by the token's
-// angles, given as (cos, sin) per pair. Shared by the rotary kernel and the fused decode step so
-// that both round alike (their sums feed 8-bit activation rounding, which magnifies last-bit
-// differences).
+// angles, given as (cos, sin) per pair. Shared by the rotary kernel and the fused decode step, which
+// are fed the same (cos, sin), so that both paths rotate alike.
 template <typename scalar_t>
 inline void rotate_heads(scalar_t* __restrict x, int64_t heads, int64_t head_dim, const float* __restrict cos_sin) {
   for (int64_t h = 0; h < heads; ++h) {
@@ -45,8 +44,8 @@ inline void rotate_heads(scalar_t* __restrict x, int64_t heads, int64_t head_dim
     for (int64_t i = 0; i < head_dim / 2; ++i) {
       const float a = load_float(head + 2 * i), b = load_float(head + 2 * i + 1);
       const float c = cos_sin[2 * i], s = cos_sin[2 * i + 1];
-      // Explicit fused multiply-adds: left to itself the compiler contracts these differently
-      // in different callers.
+      // Explicit fused multiply-adds: every caller rounds alike, whatever the compiler would
+      // contract where it is inlined.
       store_float(head + 2 * i, std::fma(a, c, -(b * s)));
       store_float(head + 2 * i + 1, std::fma(a, s, b * c));
     }

@@ -2,10 +2,10 @@
 //
 // Run op by op from Python, a 30-layer model's decode step is ~400 PyTorch operations, and at a
 // few tokens per step their dispatch costs more than their arithmetic (about 5 ms of a token).
-// Here the same step is plain loops over float32 activations: embedding, then per layer RMSNorm,
-// the blocked q/k/v projection (+ biases, Qwen2; + q/k RMSNorm, Qwen3), rotary on adjacent pairs,
-// the new K/V written to their slots, paged attention (paged_attention_cpu.cpp), the output
-// projection, the residual, RMSNorm, gate/up, SiLU * up, down, the residual; then the final norm
+// Here the same step is plain loops over float32 activations, from the token embeddings the model
+// looked up: per layer RMSNorm, the blocked q/k/v projection (+ biases, Qwen2; + q/k RMSNorm,
+// Qwen3), rotary on adjacent pairs, the new K/V written to their slots, paged attention
+// (paged_attention_cpu.cpp), the output projection, the residual, RMSNorm, gate/up, SiLU * up, down, the residual; then the final norm
 // and the LM head. The linear layers are the blocked kernels of quant_linear_cpu.cpp. Every
 // number is computed as the op-by-op path computes it, up to summation order.
 
@@ -85,11 +85,10 @@ void rms_norm_rows(const float* in, const float* weight, float* out, int64_t row
 class LlamaDecoder {
  public:
   LlamaDecoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-               torch::Tensor embed, torch::Tensor final_norm, std::vector<OptTensor> head,
+               torch::Tensor final_norm, std::vector<OptTensor> head,
                std::vector<std::vector<OptTensor>> layers)
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate),
         eps_(static_cast<float>(eps)) {
-    embed_ = embed.contiguous().to(torch::kFloat);
     final_norm_ = final_norm.contiguous().to(torch::kFloat);
     TORCH_CHECK(head.size() == 4, "head: codes, scales, mins, bias");
     head_ = BlockedLinear(head[0], head[1], head[2], head[3]);
@@ -109,36 +108,33 @@ class LlamaDecoder {
     }
   }
 
-  // token_ids, slot_mapping, context_lens [B] int64; rotations [B, ..., head_dim / 2, 2] float32
-  // (cos, sin) of each row's rotary angles, as models/rotary.py computes them; block_tables
-  // [B, max_blocks] int64; kv_caches: per layer [2, blocks, block_size, kv_heads, head_dim] float32.
-  // -> logits [B, V].
-  torch::Tensor forward(torch::Tensor token_ids, torch::Tensor rotations, torch::Tensor slot_mapping,
+  // embedded [B, hidden] float32: the rows' token embeddings; slot_mapping, context_lens [B] int64;
+  // rotations [B, ..., head_dim / 2, 2] float32: (cos, sin) of each row's rotary angles, as
+  // models/rotary.py computes them; block_tables [B, max_blocks] int64; kv_caches: per layer
+  // [2, blocks, block_size, kv_heads, head_dim], float32 or 16-bit. -> logits [B, V].
+  torch::Tensor forward(torch::Tensor embedded, torch::Tensor rotations, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor context_lens, std::vector<torch::Tensor> kv_caches) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV pool per layer");
-    const int64_t B = token_ids.size(0), H = hidden_, D = head_dim_;
+    const int64_t B = embedded.size(0), H = hidden_, D = head_dim_;
     const int64_t q_size = heads_ * D, kv_size = kv_heads_ * D, qkv_size = q_size + 2 * kv_size;
-    token_ids = token_ids.contiguous();
+    embedded = embedded.contiguous();
+    TORCH_CHECK(embedded.scalar_type() == torch::kFloat && embedded.dim() == 2 && embedded.size(1) == H,
+                "embedded: [B, hidden] float32");
     rotations = rotations.contiguous();
     TORCH_CHECK(rotations.scalar_type() == torch::kFloat && rotations.numel() == B * D,
                 "rotations: [B, head_dim / 2, 2] float32");
     slot_mapping = slot_mapping.contiguous();
     block_tables = block_tables.contiguous();
     context_lens = context_lens.contiguous();
-    const int64_t* ids = token_ids.data_ptr<int64_t>();
     const float* rot = rotations.data_ptr<float>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     const int64_t* tables = block_tables.data_ptr<int64_t>();
     const int64_t* lens = context_lens.data_ptr<int64_t>();
     const int64_t max_blocks = block_tables.size(1);
 
-    std::vector<float> residual(B * H), normed(B * H), qkv(B * qkv_size), attn(B * q_size), mlp(B * 2 * intermediate_),
-        act(B * intermediate_), out(B * H), xsums;
-    const float* embed = embed_.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(ids[b] >= 0 && ids[b] < embed_.size(0), "token id out of range");
-      std::copy(embed + ids[b] * H, embed + (ids[b] + 1) * H, residual.begin() + b * H);
-    }
+    const float* rows = embedded.data_ptr<float>();
+    std::vector<float> residual(rows, rows + B * H), normed(B * H), qkv(B * qkv_size), attn(B * q_size),
+        mlp(B * 2 * intermediate_), act(B * intermediate_), out(B * H), xsums;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
@@ -205,14 +201,14 @@ class LlamaDecoder {
  private:
   int64_t hidden_, heads_, kv_heads_, head_dim_, intermediate_;
   float eps_;
-  torch::Tensor embed_, final_norm_;
+  torch::Tensor final_norm_;
   BlockedLinear head_;
   std::vector<Layer> layers_;
 };
 
 void bind_llama_decoder(pybind11::module& m) {
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor,
                           std::vector<OptTensor>, std::vector<std::vector<OptTensor>>>())
       .def("forward", &LlamaDecoder::forward, "one decode step: token ids -> logits (see the source's header)");
 }
