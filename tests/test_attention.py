@@ -38,7 +38,7 @@ def random_step(heads: int, kv_heads: int, head_dim: int, lengths: list[int], dt
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 48)]
+    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 48), (16, 2, 64)]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_the_pytorch_path(kernel, heads, kv_heads, head_dim, dtype):

@@ -14,9 +14,13 @@
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -107,11 +111,184 @@ void decode_sequence(const scalar_t* __restrict q,      // [heads, head_dim]
   for (int64_t i = 0; i < heads * head_dim; ++i) roseinfer::store_float(out + i, acc[i]);
 }
 
+#if defined(__AVX512F__)
+// The same computation in whole AVX-512 registers, for head sizes that are multiples of 16. Three
+// costs bound the plain loops above at batch 64: a horizontal sum for every (token, head) score,
+// value accumulators that go through memory for every token, and, at long contexts, waiting on
+// memory. Here 16 tokens' partial dot products are summed across lanes together (a transposing add
+// tree: ~3 instructions a score instead of ~10); each KV head's query heads keep their value
+// accumulators in registers through a block of tokens; the pool is walked block by block (no
+// division per token) with the next block requested while this one is used. Against the plain
+// loops, batch 64 (kernel alone, 30 layers): bfloat16 ~1.8x, float32 ~1.4x; a whole bfloat16
+// batch of 64 x 1,024 new tokens ~1.3x.
+constexpr int kLanes = 16;
+
+template <typename cache_t>
+inline __m512 load16(const cache_t* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+template <>
+inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// r[i] = the sum of v[i]'s 16 lanes.
+inline __m512 sum_lanes_of_16(const float* v /* [16][16] */) {
+  __m512 pairs[8], quads[4], octets[2];
+  for (int i = 0; i < 8; ++i) {  // lanes {4j, 4j+2} of v[2i] and v[2i+1], interleaved
+    const __m512 a = _mm512_loadu_ps(v + 32 * i), b = _mm512_loadu_ps(v + 32 * i + 16);
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane j: the lane's sums of v[4i .. 4i+3]
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes added in pairs
+    octets[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(octets[0], octets[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(octets[0], octets[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// acc[h] += sum over tokens t0 <= t < t1 of p[h][t] * v_t for HEADS query heads sharing one KV
+// head, where the tokens' rows follow one another in the pool (one block).
+template <typename cache_t, int HEAD_DIM, int HEADS>
+void accumulate_values(const cache_t* __restrict rows, int64_t t0, int64_t t1, int64_t token_stride,
+                       const float* __restrict scores, int64_t scores_stride, float* __restrict acc) {
+  constexpr int V = HEAD_DIM / kLanes;
+  __m512 sums[HEADS][V];
+  for (int h = 0; h < HEADS; ++h)
+    for (int i = 0; i < V; ++i) sums[h][i] = _mm512_loadu_ps(acc + h * HEAD_DIM + i * kLanes);
+  for (int64_t t = t0; t < t1; ++t, rows += token_stride) {
+    __m512 v[V];
+    for (int i = 0; i < V; ++i) v[i] = load16(rows + i * kLanes);
+    for (int h = 0; h < HEADS; ++h) {
+      const __m512 p = _mm512_set1_ps(scores[h * scores_stride + t]);
+      for (int i = 0; i < V; ++i) sums[h][i] = _mm512_fmadd_ps(p, v[i], sums[h][i]);
+    }
+  }
+  for (int h = 0; h < HEADS; ++h)
+    for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc + h * HEAD_DIM + i * kLanes, sums[h][i]);
+}
+
+template <typename scalar_t, typename cache_t, int HEAD_DIM>
+void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restrict k_pool,
+                            const cache_t* __restrict v_pool, const int64_t* __restrict block_table,
+                            int64_t context_len, int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
+                            scalar_t* __restrict out, std::vector<float>& scores_buffer, std::vector<float>& work) {
+  constexpr int V = HEAD_DIM / kLanes;
+  const int64_t group = heads / kv_heads, token_stride = kv_heads * HEAD_DIM;
+  const int64_t padded = (context_len + kLanes - 1) / kLanes * kLanes;
+  scores_buffer.resize(heads * padded);
+  work.assign(heads * HEAD_DIM * 2 + heads * kLanes * kLanes, 0.0f);
+  float* __restrict scores = scores_buffer.data();  // [heads, padded]
+  float* __restrict qf = work.data();
+  float* __restrict acc = qf + heads * HEAD_DIM;
+  float* __restrict partial = acc + heads * HEAD_DIM;  // [heads][16 tokens][16 lanes]
+  for (int64_t i = 0; i < heads * HEAD_DIM; ++i) qf[i] = roseinfer::load_float(q + i);
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  const int64_t blocks = (context_len + block_size - 1) / block_size;
+  const int64_t block_elements = block_size * token_stride;
+  auto block_rows = [&](const cache_t* pool, int64_t block) { return pool + block_table[block] * block_elements; };
+
+  // Keys in token order, walked block by block (no division per token); each row one block ahead
+  // is requested early, since blocks lie anywhere in the pool.
+  int64_t block = 0, offset = 0;
+  for (int64_t start = 0; start < context_len; start += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, context_len - start);
+    for (int64_t i = 0; i < count; ++i) {
+      const cache_t* __restrict row = block_rows(k_pool, block) + offset * token_stride;
+      if (block + 1 < blocks) prefetch_row(block_rows(k_pool, block + 1) + offset * token_stride, token_stride);
+      if (++offset == block_size) offset = 0, ++block;
+      for (int64_t kv = 0; kv < kv_heads; ++kv) {
+        const cache_t* __restrict key = row + kv * HEAD_DIM;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
+          // bfloat16 query and keys: 32 products a pair-wise dot instruction, summed in float.
+          __m512bh k[V / 2];
+          for (int j = 0; j < V / 2; ++j) k[j] = (__m512bh)_mm512_loadu_si512(key + j * 2 * kLanes);
+          for (int64_t head = kv * group; head < (kv + 1) * group; ++head) {
+            const scalar_t* __restrict qh = q + head * HEAD_DIM;
+            __m512 dot = _mm512_setzero_ps();
+            for (int j = 0; j < V / 2; ++j) dot = _mm512_dpbf16_ps(dot, k[j], (__m512bh)_mm512_loadu_si512(qh + j * 2 * kLanes));
+            _mm512_storeu_ps(partial + (head * kLanes + i) * kLanes, dot);
+          }
+          continue;
+        }
+#endif
+        __m512 k[V];
+        for (int j = 0; j < V; ++j) k[j] = load16(key + j * kLanes);
+        for (int64_t head = kv * group; head < (kv + 1) * group; ++head) {
+          const float* __restrict qh = qf + head * HEAD_DIM;
+          __m512 dot = _mm512_mul_ps(k[0], _mm512_loadu_ps(qh));
+          for (int j = 1; j < V; ++j) dot = _mm512_fmadd_ps(k[j], _mm512_loadu_ps(qh + j * kLanes), dot);
+          _mm512_storeu_ps(partial + (head * kLanes + i) * kLanes, dot);
+        }
+      }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+    for (int64_t head = 0; head < heads; ++head)
+      _mm512_mask_storeu_ps(scores + head * padded + start, valid,
+                            _mm512_mul_ps(scale_v, sum_lanes_of_16(partial + head * kLanes * kLanes)));
+  }
+  for (int64_t head = 0; head < heads; ++head) {
+    float* __restrict s = scores + head * padded;
+    float max_score = s[0];
+    for (int64_t t = 1; t < context_len; ++t) max_score = std::max(max_score, s[t]);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < context_len; ++t) {
+      s[t] = std::exp(s[t] - max_score);
+      total += s[t];
+    }
+    const float inv = 1.0f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < context_len; ++t) s[t] *= inv;
+  }
+  // Values block by block, the next block requested while this one is used; within a block, each
+  // KV head's query heads in register-sized chunks (HEADS x V accumulators plus V value registers).
+  constexpr int kMaxHeads = std::max(1, 16 / V);
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b + 1 < blocks) prefetch_row(block_rows(v_pool, b + 1), block_elements);
+    const int64_t t0 = b * block_size, t1 = std::min(context_len, t0 + block_size);
+    for (int64_t kv = 0; kv < kv_heads; ++kv) {
+      const cache_t* rows = block_rows(v_pool, b) + kv * HEAD_DIM;
+      for (int64_t first = kv * group; first < (kv + 1) * group; first += kMaxHeads) {
+        const int64_t count = std::min<int64_t>(kMaxHeads, (kv + 1) * group - first);
+        const float* s = scores + first * padded;
+        float* a = acc + first * HEAD_DIM;
+        switch (count) {
+          case 1: accumulate_values<cache_t, HEAD_DIM, 1>(rows, t0, t1, token_stride, s, padded, a); break;
+          case 2: accumulate_values<cache_t, HEAD_DIM, 2>(rows, t0, t1, token_stride, s, padded, a); break;
+          case 3: accumulate_values<cache_t, HEAD_DIM, 3>(rows, t0, t1, token_stride, s, padded, a); break;
+          default: accumulate_values<cache_t, HEAD_DIM, kMaxHeads>(rows, t0, t1, token_stride, s, padded, a); break;
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < heads * HEAD_DIM; ++i) roseinfer::store_float(out + i, acc[i]);
+}
+#endif
+
 template <typename scalar_t, typename cache_t>
 void decode_dispatch(int64_t head_dim, const scalar_t* q, const cache_t* k, const cache_t* v,
                      const int64_t* table, int64_t len, int64_t heads, int64_t kv_heads,
                      int64_t block_size, float scale, scalar_t* out, std::vector<float>& scores,
                      std::vector<float>& work) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<cache_t, double>) {  // (a double pool takes the plain loops)
+    if (head_dim == 64)
+      return decode_sequence_avx512<scalar_t, cache_t, 64>(q, k, v, table, len, heads, kv_heads, block_size, scale,
+                                                           out, scores, work);
+    if (head_dim == 128)
+      return decode_sequence_avx512<scalar_t, cache_t, 128>(q, k, v, table, len, heads, kv_heads, block_size, scale,
+                                                            out, scores, work);
+  }
+#endif
   switch (head_dim) {
     case 64:
       return decode_sequence<scalar_t, cache_t, 64>(q, k, v, table, len, heads, kv_heads, block_size, 64, scale, out,
