@@ -46,6 +46,25 @@ inline void prefetch_row(const scalar_t* row, int64_t elements) {
     __builtin_prefetch(bytes + offset);
 }
 
+// Softmax of each query head's scores (rows of `stride` floats, the first context_len used), in
+// float: the max is subtracted; no infinities are involved.
+inline void softmax_rows(float* scores, int64_t heads, int64_t context_len, int64_t stride) {
+  for (int64_t head = 0; head < heads; ++head) {
+    float* __restrict s = scores + head * stride;
+    float max_score = s[0];
+    for (int64_t t = 1; t < context_len; ++t) max_score = std::max(max_score, s[t]);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < context_len; ++t) {
+      s[t] = std::exp(s[t] - max_score);
+      total += s[t];
+    }
+    const float inv = 1.0f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < context_len; ++t) s[t] *= inv;
+  }
+}
+
 // One sequence: all its query heads against its cached keys and values. Each cached token's row
 // (every KV head) is contiguous in the pool, so the row is read once, front to back, and every
 // query head sharing a KV head is scored against it while it is in cache. HEAD_DIM is a
@@ -82,21 +101,7 @@ void decode_sequence(const scalar_t* __restrict q,      // [heads, head_dim]
       scores[head * context_len + t] = dot;
     }
   }
-  // Softmax per query head, in float (the max is subtracted; no infinities are involved).
-  for (int64_t head = 0; head < heads; ++head) {
-    float* __restrict s = scores + head * context_len;
-    float max_score = s[0];
-    for (int64_t t = 1; t < context_len; ++t) max_score = std::max(max_score, s[t]);
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < context_len; ++t) {
-      s[t] = std::exp(s[t] - max_score);
-      total += s[t];
-    }
-    const float inv = 1.0f / total;
-#pragma omp simd
-    for (int64_t t = 0; t < context_len; ++t) s[t] *= inv;
-  }
+  softmax_rows(scores, heads, context_len, context_len);
   for (int64_t t = 0; t < context_len; ++t) {
     const cache_t* __restrict row = v_pool + slot_of(t) * token_stride;
     if (t + kPrefetchDistance < context_len) prefetch_row(v_pool + slot_of(t + kPrefetchDistance) * token_stride, token_stride);
@@ -235,20 +240,7 @@ void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restr
       _mm512_mask_storeu_ps(scores + head * padded + start, valid,
                             _mm512_mul_ps(scale_v, sum_lanes_of_16(partial + head * kLanes * kLanes)));
   }
-  for (int64_t head = 0; head < heads; ++head) {
-    float* __restrict s = scores + head * padded;
-    float max_score = s[0];
-    for (int64_t t = 1; t < context_len; ++t) max_score = std::max(max_score, s[t]);
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < context_len; ++t) {
-      s[t] = std::exp(s[t] - max_score);
-      total += s[t];
-    }
-    const float inv = 1.0f / total;
-#pragma omp simd
-    for (int64_t t = 0; t < context_len; ++t) s[t] *= inv;
-  }
+  softmax_rows(scores, heads, context_len, padded);
   // Values block by block, the next block requested while this one is used; within a block, each
   // KV head's query heads in register-sized chunks (HEADS x V accumulators plus V value registers).
   constexpr int kMaxHeads = std::max(1, 16 / V);
