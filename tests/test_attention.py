@@ -62,6 +62,19 @@ def test_kernel_matches_the_pytorch_path(kernel, heads, kv_heads, head_dim, dtyp
     assert (out.float() - expected).abs().max() < tolerance
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_queries_in_place(kernel, dtype):
+    """q as the model hands it over, a strided view of the fused qkv output: read in place, the
+    same result as from a contiguous copy."""
+    lengths = [1, 17, 100, 33]
+    q, kv_cache, tables, lens = random_step(9, 3, 64, lengths, dtype)
+    qkv = torch.cat([q.flatten(1), torch.randn(len(lengths), 2 * 3 * 64).to(dtype)], dim=1)
+    strided = qkv[:, : 9 * 64].view(len(lengths), 9, 64)
+    assert not strided.is_contiguous()
+    out = kernel(strided, kv_cache[0], kv_cache[1], tables, lens, 0.125)
+    assert out.is_contiguous() and torch.equal(out, kernel(q, kv_cache[0], kv_cache[1], tables, lens, 0.125))
+
+
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
 def test_each_backend_matches_transformers(backend, tmp_path, request):
     if backend == "cpp":

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from roseinfer.layers.cpu_kernels import cpu_kernels
+
 
 @dataclass
 class PrefillChunk:
@@ -57,10 +59,19 @@ def causal_mask_with_prefix(num_cached: int, query_len: int, device: torch.devic
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store the step's new keys and values at their slots (rounded to the pool's dtype, which
     `--kv-cache-dtype` may make narrower than the model's)."""
+    kernels = cpu_kernels() if kv_cache.device.type == "cpu" else None
+    if kernels is not None and _heads_contiguous(k) and _heads_contiguous(v):
+        kernels.write_kv_(kv_cache, slot_mapping, k, v)
+        return
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     slots = kv_cache.view(2, -1, num_kv_heads, head_dim)
     slots[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     slots[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """[tokens, heads, head_dim] with each token's heads in one run (tokens may be strided)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

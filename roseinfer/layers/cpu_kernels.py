@@ -4,7 +4,9 @@
   then runs SDPA over it, reading the KV cache three times; the kernel reads it once, straight
   through the block tables (2-3x faster at batch 64 here).
 - RMSNorm and the residual add before it in one pass (PyTorch runs ~6 small kernels for them);
-  rotary embedding in place in one pass (PyTorch: four).
+  rotary embedding in place in one pass (PyTorch: four); the step's new keys and values stored
+  in the pool in one pass (PyTorch: two index_copy_); SiLU(gate) * up in one pass (PyTorch: a
+  SiLU, a product and a temporary); greedy sampling's argmax of each row of the logits.
 - Linear layers with GGUF-style blocked weights (4-bit and 8-bit blocks of 32) for small batches,
   expanded in registers against float activations (see quant_linear_cpu.cpp).
 - A whole decode step of a Llama-family model with such weights in one call (llama_decode_cpu.cpp).
@@ -28,15 +30,18 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("bindings.cpp", "paged_attention_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp",
-                 "quant_linear_cpu.cpp", "llama_decode_cpu.cpp")
+    for name in ("bindings.cpp", "paged_attention_cpu.cpp", "kv_write_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp",
+                 "activation_cpu.cpp", "argmax_cpu.cpp", "quant_linear_cpu.cpp", "llama_decode_cpu.cpp")
 ]
 # -march=native: the build is for this CPU; its name carries the CPU's feature flags so a cache
 # shared with another machine never loads code built for different instructions.
 # -ffast-math lets the compiler vectorise the dot-product reductions and call the vector exp of
 # glibc's libmvec; the kernel never produces or compares infinities or NaNs, which it assumes.
 # -mprefer-vector-width=512: GCC's default for these CPUs is 256-bit vectors.
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp-simd"]
+# -fopenmp: ATen's parallel_for is an inline OpenMP region in the kernels' own code; without the
+# flag it compiles to a serial loop (every kernel ran on one core until this was found). PyTorch's
+# own libgomp is the one loaded, so the kernels share its thread pool.
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
 
 def _cpu_fingerprint() -> str:
@@ -50,9 +55,9 @@ def _cpu_fingerprint() -> str:
 
 
 def _source_fingerprint() -> str:
-    """Changes with any source or header, so an edited header rebuilds the module too (PyTorch
+    """Changes with any source, header or flag, so an edited header rebuilds the module too (PyTorch
     tracks the listed sources only) and two checkouts' different kernels never share a build."""
-    digest = hashlib.sha1()
+    digest = hashlib.sha1(" ".join(_FLAGS).encode())
     for path in sorted((Path(__file__).parent / "csrc").iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:8]
@@ -70,6 +75,7 @@ def cpu_kernels() -> ModuleType | None:
             name=f"roseinfer_cpu_kernels_{_cpu_fingerprint()}_{_source_fingerprint()}",
             sources=[str(source) for source in _SOURCES],
             extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, an unusual platform: keep the PyTorch path

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from roseinfer.config import ModelConfig
 from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.distributed.partition import partition
+from roseinfer.layers.activation import silu_and_mul
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.parallel import VocabParallelEmbedding, gather_logits, take_shard
@@ -80,8 +80,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)  # row-parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from roseinfer.layers.cpu_kernels import cpu_kernels
 from roseinfer.structured_output.bitmask import apply_bitmask
 
 
@@ -126,8 +127,11 @@ def _argmax_only(batch: SamplingBatch) -> bool:
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """The argmax of each row (the first on ties, like argmax); `max` has a parallel CPU kernel
-    and is 2-3x faster than `argmax` over a 49k vocabulary."""
+    """The argmax of each row (the first on ties, like argmax). On the CPU the C++ kernel (two
+    vectorised passes a row) is several times faster than `max`, itself 2-3x faster than `argmax`."""
+    kernels = cpu_kernels() if logits.device.type == "cpu" and logits.dtype != torch.float64 else None
+    if kernels is not None and logits.dim() == 2 and logits.stride(-1) == 1:
+        return kernels.argmax_rows(logits)
     return logits.max(dim=-1).indices
 
 

@@ -11,6 +11,9 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
 torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins);
 torch::Tensor q8_dequantize(torch::Tensor codes, torch::Tensor scales);
 void rotary_embedding_(torch::Tensor x, torch::Tensor rotations);
+void write_kv_(torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor k, torch::Tensor v);
+torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor argmax_rows(torch::Tensor logits);
 void bind_llama_decoder(pybind11::module& m);
 bool quantizes_activations();
 
@@ -20,6 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "in place: residual += x; x = rms_norm(residual) * weight (CPU)");
   m.def("rotary_embedding_", &rotary_embedding_, "in place: rotary embedding on adjacent pairs (CPU)");
+  m.def("write_kv_", &write_kv_, "in place: the step's keys and values stored at their pool slots (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of each [gate, up] row (CPU)");
+  m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (CPU)");
   m.def("q4_linear", &q4_linear, "x @ w.T for 4-bit blocked weights (GGUF Q4_1 layout)");
   m.def("q8_linear", &q8_linear, "x @ w.T for 8-bit blocked weights (GGUF Q8_0 layout)", pybind11::arg("x"),
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("quantize_x") = true);

@@ -7,6 +7,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -32,6 +36,38 @@ inline void store_float<c10::BFloat16>(c10::BFloat16* p, float value) {
   const uint32_t bits = __builtin_bit_cast(uint32_t, value);
   p->x = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
+
+#if defined(__AVX512F__)
+// 16 values of a storage type as floats, and back (rounded to nearest even, as store_float).
+template <typename scalar_t>
+inline __m512 load16(const scalar_t* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+template <>
+inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <typename scalar_t>
+inline void store16(scalar_t* p, __m512 v);
+template <>
+inline void store16<float>(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+template <>
+inline void store16<c10::BFloat16>(c10::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+template <>
+inline void store16<c10::Half>(c10::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
 
 // In place: one token's heads [heads, head_dim], adjacent pairs (x0, x1) rotated by the token's
 // angles, given as (cos, sin) per pair. Shared by the rotary kernel and the fused decode step, which

@@ -128,19 +128,7 @@ void decode_sequence(const scalar_t* __restrict q,      // [heads, head_dim]
 // batch of 64 x 1,024 new tokens ~1.3x.
 constexpr int kLanes = 16;
 
-template <typename cache_t>
-inline __m512 load16(const cache_t* p);
-template <>
-inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-template <>
-inline __m512 load16<c10::Half>(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using roseinfer::load16;
 
 // r[i] = the sum of v[i]'s 16 lanes.
 inline __m512 sum_lanes_of_16(const float* v /* [16][16] */) {
@@ -326,7 +314,7 @@ template <typename scalar_t, typename cache_t>
 void decode_batch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                   const torch::Tensor& block_tables, const torch::Tensor& context_lens, float scale,
                   torch::Tensor& out) {
-  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2), q_stride = q.stride(0);
   const int64_t block_size = k_pool.size(1), kv_heads = k_pool.size(2), max_blocks = block_tables.size(1);
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   const cache_t* k_ptr = k_pool.data_ptr<cache_t>();
@@ -338,16 +326,17 @@ void decode_batch(const torch::Tensor& q, const torch::Tensor& k_pool, const tor
     DenormalsAreZero flush;
     std::vector<float> scores, work;
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t offset = b * heads * head_dim;
-      decode_dispatch<scalar_t, cache_t>(head_dim, q_ptr + offset, k_ptr, v_ptr, tables + b * max_blocks, lengths[b],
-                                         heads, kv_heads, block_size, scale, out_ptr + offset, scores, work);
+      decode_dispatch<scalar_t, cache_t>(head_dim, q_ptr + b * q_stride, k_ptr, v_ptr, tables + b * max_blocks,
+                                         lengths[b], heads, kv_heads, block_size, scale,
+                                         out_ptr + b * heads * head_dim, scores, work);
     }
   });
 }
 
 }  // namespace
 
-// q: [batch, heads, head_dim]; k_pool, v_pool: [blocks, block_size, kv_heads, head_dim];
+// q: [batch, heads, head_dim], each row's heads contiguous (rows may be strided: the q part of a
+// fused qkv output is read in place); k_pool, v_pool: [blocks, block_size, kv_heads, head_dim];
 // block_tables: [batch, max_blocks] int64; context_lens: [batch] int64. Returns [batch, heads, head_dim].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
@@ -355,12 +344,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "the KV pool must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
               "block tables and context lengths must be int64");
-  q = q.contiguous();
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   const int64_t heads = q.size(1), head_dim = q.size(2), kv_heads = k_pool.size(2);
   TORCH_CHECK(k_pool.size(3) == head_dim && heads % kv_heads == 0, "head counts do not match");
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({q.size(0), heads, head_dim}, q.options());
   const float scale_f = static_cast<float>(scale);
   if (k_pool.scalar_type() == q.scalar_type()) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {

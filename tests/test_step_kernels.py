@@ -1,0 +1,91 @@
+"""The C++ kernels around a decode step's matmuls, against the PyTorch ops they replace: storing
+new keys and values in the pool (index_copy_), SiLU(gate) * up, and greedy sampling's argmax.
+Each must give exactly what PyTorch gives (the SiLU on AVX-512 builds, which use the same exp as
+PyTorch's own kernel), in parallel and serial sizes alike."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from roseinfer.layers.activation import silu_and_mul
+from roseinfer.layers.attention import write_kv
+from roseinfer.layers.cpu_kernels import cpu_kernels
+from roseinfer.worker.sampler import greedy_tokens
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cpu_kernels()
+    if module is None:
+        pytest.skip("the C++ kernels cannot be built on this machine (no compiler)")
+    return module
+
+
+def has_avx512() -> bool:
+    try:
+        return " avx512f " in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(("model_dtype", "pool_dtype"), [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.float64, torch.float64),
+])
+@pytest.mark.parametrize("tokens", [1, 64, 700])
+def test_write_kv_matches_index_copy(kernels, model_dtype, pool_dtype, tokens):
+    generator = torch.Generator().manual_seed(tokens)
+    kv_heads, head_dim, blocks, block_size = 3, 64, 80, 16
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim, generator=generator).to(model_dtype)
+    # k and v as the model hands them over: strided views of the fused projection's output.
+    k = qkv[:, 9 * head_dim : (9 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (9 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(blocks * block_size, generator=generator)[:tokens]
+    pool = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=generator).to(pool_dtype)
+    expected = pool.clone()
+    flat = expected.view(2, -1, kv_heads, head_dim)
+    flat[0].index_copy_(0, slots, k.to(pool_dtype))
+    flat[1].index_copy_(0, slots, v.to(pool_dtype))
+    write_kv(pool, slots, k, v)
+    assert torch.equal(pool, expected)
+
+
+def test_write_kv_rejects_a_slot_outside_the_pool(kernels):
+    pool = torch.zeros(2, 4, 16, 1, 8)
+    k = torch.ones(1, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.write_kv_(pool, torch.tensor([64]), k, k)
+    assert not pool.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (64, 1536), (5, 37)])
+def test_silu_and_mul_matches_pytorch(kernels, dtype, rows, width):
+    generator = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(rows, 2 * width, generator=generator) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    out = silu_and_mul(gate_up)
+    assert out.dtype == dtype and out.shape == (rows, width)
+    if has_avx512():
+        assert torch.equal(out, expected)
+    else:  # the compiler's exp: within a rounding of the storage type
+        torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_matches_torch_max(kernels, dtype):
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(67, 49152, generator=generator).to(dtype)
+    logits[1, 100] = logits[1, 40_000] = 50.0  # a tie: the first index wins
+    logits[2, :] = float("-inf")
+    logits[2, 7] = -1e4  # masked rows, as a grammar's bitmask leaves them
+    logits[3, -1] = 60.0  # the last index
+    logits[4, :] = 1.0  # all equal
+    out = greedy_tokens(logits)
+    assert out.dtype == torch.long
+    assert torch.equal(out, logits.max(dim=-1).indices)
+    assert out[1] == 100 and out[2] == 7 and out[3] == 49151 and out[4] == 0
+    assert torch.equal(greedy_tokens(logits[:5, :1000]), logits[:5, :1000].max(dim=-1).indices)  # strided rows
