@@ -75,7 +75,7 @@ def kernel_reference(layer: BlockQuantLinear, x: torch.Tensor, weight: torch.Ten
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 64])  # the kernel's tiles, and the matrix product past 16
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 64, 129])  # the kernel's tiles, the matrix product past 128
 def test_block_quant_matches_its_dequantized_weight(bits, rows):
     linear = random_linear()
     layer = BlockQuantLinear(linear, bits)
