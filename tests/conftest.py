@@ -7,6 +7,18 @@ from typing import Any
 
 import pytest
 
+
+@pytest.fixture(scope="session")
+def kernels():
+    """roseinfer's compiled CPU kernels; tests that take them skip where they cannot be built."""
+    from roseinfer.layers.cpu_kernels import cpu_kernels
+
+    module = cpu_kernels()
+    if module is None:
+        pytest.skip("the C++ kernels cannot be built on this machine (no compiler)")
+    return module
+
+
 # ---------------------------------------------------------------------------------------------
 # Tokenizer fixtures (tests/test_tokenizer.py, test_chat_template.py, test_detokenizer.py).
 # Session-scoped: reading the GGUF and building transformers' reference tokenizer take seconds.

@@ -8,16 +8,12 @@ from support import compare_logits_step_by_step, tiny_hf_model
 
 from roseinfer import InferenceEngine
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
-from roseinfer.layers.cpu_kernels import cpu_kernels
 
 BLOCK_SIZE = 16
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("the C++ kernel cannot be built on this machine (no compiler)")
+def kernel(kernels):
     return kernels.paged_decode_attention
 
 

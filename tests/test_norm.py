@@ -5,19 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from roseinfer.layers.cpu_kernels import cpu_kernels
 from roseinfer.layers.norm import RMSNorm
 
 # float32: a few ulps of values around 1-4; bfloat16: one rounding of the result (8 bits of mantissa).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 4e-2}
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu_kernels()
-    if module is None:
-        pytest.skip("the C++ kernels cannot be built on this machine (no compiler)")
-    return module
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -11,16 +11,7 @@ import torch.nn.functional as F
 
 from roseinfer.layers.activation import silu_and_mul
 from roseinfer.layers.attention import write_kv
-from roseinfer.layers.cpu_kernels import cpu_kernels
 from roseinfer.worker.sampler import greedy_tokens
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu_kernels()
-    if module is None:
-        pytest.skip("the C++ kernels cannot be built on this machine (no compiler)")
-    return module
 
 
 def has_avx512() -> bool:
