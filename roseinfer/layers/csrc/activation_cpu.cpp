@@ -24,8 +24,8 @@ namespace {
 // Rows per parallel task: enough work per task that threads are not started for a handful of rows.
 constexpr int64_t kRowsPerTask = 8;
 
-// SiLU in float as PyTorch computes it: x / (1 + exp(-x)), where its vectorised CPU kernel takes
-// Sleef's exp (1-ulp); the same call here gives the same bits, so the fused path matches it.
+// SiLU in float, x / (1 + exp(-x)), rounded to the storage type: the scalar tail of a row (and
+// every element on builds without AVX-512), where PyTorch's kernel also takes the scalar exp.
 template <typename scalar_t>
 inline float silu_rounded(float g) {
   scalar_t silu;
@@ -38,10 +38,8 @@ inline float silu_rounded(float g) {
 template <typename scalar_t>
 inline __m512 rounded_to(__m512 v) {
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
-    return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    return _mm512_castsi512_ps(_mm512_and_si512(roseinfer::bfloat16_rounded_bits(v),
+                                                _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
     return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
   } else {
@@ -62,6 +60,7 @@ void silu_and_mul_rows(const scalar_t* __restrict in, scalar_t* __restrict out, 
     const __m512 one = _mm512_set1_ps(1.0f);
     for (; i + 16 <= width; i += 16) {
       const __m512 g = roseinfer::load16(gate + i);
+      // PyTorch's vectorised SiLU takes Sleef's exp (1-ulp); the same call gives the same bits.
       // (A division with an explicit rounding mode: -ffast-math would make a plain one an
       // approximate reciprocal, which rounds differently.)
       const __m512 silu = _mm512_div_round_ps(g, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g))),

@@ -56,12 +56,16 @@ template <typename scalar_t>
 inline void store16(scalar_t* p, __m512 v);
 template <>
 inline void store16<float>(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-template <>
-inline void store16<c10::BFloat16>(c10::BFloat16* p, __m512 v) {
+// v's bits rounded to nearest even at bfloat16 precision: the high 16 bits of each lane are the result.
+inline __m512i bfloat16_rounded_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  return _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
+}
+template <>
+inline void store16<c10::BFloat16>(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(bfloat16_rounded_bits(v), 16)));
 }
 template <>
 inline void store16<c10::Half>(c10::Half* p, __m512 v) {
