@@ -53,6 +53,9 @@ run: setup
 		"What is the capital of France?" "Write a haiku about the sea."
 
 test: setup-test
+	@# The C++ kernels built once before any test: a test that stops a server at its start-up
+	@# timeout while it is still building them would leave an interrupted build behind.
+	$(PY) -c 'from roseinfer.layers.cpu_kernels import cpu_kernels; cpu_kernels()'
 	$(PY) -m pytest -q
 	$(VENV)/bin/ruff check roseinfer tests
 

@@ -3,12 +3,15 @@ new keys and values in the pool (index_copy_), SiLU(gate) * up, and greedy sampl
 Each must give exactly what PyTorch gives (the SiLU on AVX-512 builds, which use the same exp as
 PyTorch's own kernel), in parallel and serial sizes alike."""
 
+import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from roseinfer.layers import cpu_kernels as cpu_kernels_module
 from roseinfer.layers.activation import silu_and_mul
 from roseinfer.layers.attention import write_kv
 from roseinfer.worker.sampler import greedy_tokens
@@ -80,3 +83,19 @@ def test_argmax_matches_torch_max(kernels, dtype):
     assert torch.equal(out, logits.max(dim=-1).indices)
     assert out[1] == 100 and out[2] == 7 and out[3] == 49151 and out[4] == 0
     assert torch.equal(greedy_tokens(logits[:5, :1000]), logits[:5, :1000].max(dim=-1).indices)  # strided rows
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    # PyTorch's builder waits forever on its lock file; one left by a killed build must not hang
+    # every later start, and one held by a build in progress must stay.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale, fresh = tmp_path / "stale_build", tmp_path / "fresh_build"
+    for build in (stale, fresh):
+        build.mkdir()
+        (build / "lock").touch()
+    old = time.time() - cpu_kernels_module._STALE_LOCK_SECONDS - 60
+    os.utime(stale / "lock", (old, old))
+    cpu_kernels_module._remove_stale_build_lock("stale_build")
+    cpu_kernels_module._remove_stale_build_lock("fresh_build")
+    assert not (stale / "lock").exists()
+    assert (fresh / "lock").exists()

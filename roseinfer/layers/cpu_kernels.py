@@ -63,6 +63,28 @@ def _source_fingerprint() -> str:
     return digest.hexdigest()[:8]
 
 
+# A build takes ~30 s to a few minutes; a lock older than this was left by a killed build.
+_STALE_LOCK_SECONDS = 15 * 60
+
+
+def _remove_stale_build_lock(name: str) -> None:
+    """PyTorch's builder takes a lock file in the build directory and waits, with no time limit,
+    while it exists; a build killed midway (a Ctrl-C on the first start) leaves it behind, and
+    every later start would hang. Remove it once it is too old to belong to a running build."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return  # no lock: the usual case
+    if age > _STALE_LOCK_SECONDS:
+        logger.warning("removing %s, left %.0f minutes ago by an interrupted kernel build", lock, age / 60)
+        lock.unlink(missing_ok=True)
+    else:
+        logger.info("waiting for the kernel build that holds %s (remove it if no build is running)", lock)
+
+
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The compiled module (`paged_decode_attention`, `rms_norm`, `fused_add_rms_norm`, `q4_linear`, ...), or None
@@ -70,9 +92,11 @@ def cpu_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
+        name = f"roseinfer_cpu_kernels_{_cpu_fingerprint()}_{_source_fingerprint()}"
+        _remove_stale_build_lock(name)
         started = time.perf_counter()
         module = load(
-            name=f"roseinfer_cpu_kernels_{_cpu_fingerprint()}_{_source_fingerprint()}",
+            name=name,
             sources=[str(source) for source in _SOURCES],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],

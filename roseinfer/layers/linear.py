@@ -51,6 +51,18 @@ class PrepackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+ROWS_PER_RUN = 4096  # weight rows converted at once (~10 MB of float32 at 576 columns)
+
+
+def _by_row_runs(
+    quantize: Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]], weight: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, ...]:
+    """`quantize` over runs of rows, its outputs put back together: a whole large matrix (an LM
+    head) at once would hold several float32 copies of it at the peak of loading."""
+    runs = [quantize(weight[start : start + ROWS_PER_RUN], group_size) for start in range(0, weight.shape[0], ROWS_PER_RUN)]
+    return tuple(torch.cat(parts) for parts in zip(*runs, strict=True))
+
+
 def quantize_int4_groups(
     weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,6 +72,10 @@ def quantize_int4_groups(
     (they lie exactly on that grid; re-choosing codes against a rounded grid would lose that).
     Returns codes [N, K] int32, scales and minimums [N, K / group_size] float32.
     """
+    return _by_row_runs(_int4_groups, weight, group_size)
+
+
+def _int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
     rows, columns = weight.shape
     groups = weight.float().reshape(rows, columns // group_size, group_size)
     minimum = groups.amin(dim=-1)
@@ -73,6 +89,10 @@ def quantize_int8_groups(weight: torch.Tensor, group_size: int = INT8_GROUP_SIZE
     """Symmetric int8 per group: w ~ q * scale, q in -127..127 (GGUF's Q8_0 rule, so weights that
     came from a Q8_0 file get their own codes back). Returns codes [N, K] int8 and scales
     [N, K / group_size] float32."""
+    return _by_row_runs(_int8_groups, weight, group_size)
+
+
+def _int8_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
     rows, columns = weight.shape
     groups = weight.float().reshape(rows, columns // group_size, group_size)
     scale = groups.abs().amax(dim=-1) / 127.0
@@ -182,23 +202,29 @@ def prepare_linear_layers(model: nn.Module, quantization: str, device: torch.dev
     kind = _kernel_for(quantization, device)
     if kind is None:
         return 0
+    # (parent, name) pairs only, not the layers: a list holding every old nn.Linear would keep all
+    # the original weights alive until the last layer is converted (the model twice in memory).
+    places = [
+        (parent_name, parent, name)
+        for parent_name, parent in model.named_modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
     replaced = 0
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
-                continue
-            layer_kind = kind
-            if not parent_name and name == "lm_head" and quantization in ("int4", "int8"):
-                # The head, the layer most sensitive to rounding, gets 8-bit blocks (as GGUF files
-                # keep it at 6-8 bits; the default model's head is Q8_0, so these are its own codes)
-                # and float activations.
-                layer_kind = partial(BlockQuantLinear, bits=8, quantize_activations=False)
-            if not _supports(layer_kind, child, child.weight.dtype):
-                logger.warning("%s (%d x %d) stays unquantized: its shape does not fit %s",
-                               name, child.out_features, child.in_features, quantization)
-                continue
-            with torch.no_grad():
-                setattr(parent, name, layer_kind(child))
-            replaced += 1
+    for parent_name, parent, name in places:
+        child = getattr(parent, name)
+        layer_kind = kind
+        if not parent_name and name == "lm_head" and quantization in ("int4", "int8"):
+            # The head, the layer most sensitive to rounding, gets 8-bit blocks (as GGUF files
+            # keep it at 6-8 bits; the default model's head is Q8_0, so these are its own codes)
+            # and float activations.
+            layer_kind = partial(BlockQuantLinear, bits=8, quantize_activations=False)
+        if not _supports(layer_kind, child, child.weight.dtype):
+            logger.warning("%s (%d x %d) stays unquantized: its shape does not fit %s",
+                           name, child.out_features, child.in_features, quantization)
+            continue
+        with torch.no_grad():
+            setattr(parent, name, layer_kind(child))
+        replaced += 1
     return replaced
 

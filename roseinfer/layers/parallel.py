@@ -18,7 +18,7 @@ from torch import nn
 
 from roseinfer.distributed.parallel_state import TensorParallelGroup, get_tp_group
 from roseinfer.distributed.partition import padded_vocab_size
-from roseinfer.layers.linear import INT8_GROUP_SIZE, quantize_int8_groups
+from roseinfer.layers.linear import INT8_GROUP_SIZE, ROWS_PER_RUN, quantize_int8_groups
 
 
 def take_shard(tensor: torch.Tensor, dim: int, start: int, size: int) -> torch.Tensor:
@@ -83,8 +83,10 @@ class VocabParallelEmbedding(nn.Module):
         if self.codes is not None or self.weight.shape[1] % INT8_GROUP_SIZE:
             return self.codes is not None
         codes, scales = quantize_int8_groups(self.weight)
-        if not torch.equal(_expand_blocks(codes, scales).to(self.weight.dtype), self.weight):
-            return False
+        for start in range(0, self.weight.shape[0], ROWS_PER_RUN):  # run by run, as quantizing does
+            run = slice(start, start + ROWS_PER_RUN)
+            if not torch.equal(_expand_blocks(codes[run], scales[run]).to(self.weight.dtype), self.weight[run]):
+                return False
         self.codes, self.scales = codes, scales
         # An empty parameter keeps the dtype and device the rest of the code reads from it.
         self.weight = nn.Parameter(self.weight.new_empty(0, self.weight.shape[1]), requires_grad=False)

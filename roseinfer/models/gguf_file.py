@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,8 @@ SUPPORTED_TENSOR_TYPES = frozenset(
     )
 )
 
+_ROWS_PER_RUN = 4096  # rows dequantized at once (~10 MB of float32 at 576 columns)
+
 
 class GGUFFile:
     """A GGUF file opened with the `gguf` package (memory-mapped, nothing copied until asked)."""
@@ -33,16 +34,13 @@ class GGUFFile:
         except Exception as exc:  # gguf raises ValueError/struct errors on bad files
             raise ModelLoadError(f"{self.path} is not a readable GGUF file: {exc}") from exc
         self._tensors = {t.name: t for t in self._reader.tensors}
-
-    @cached_property
-    def metadata(self) -> dict[str, Any]:
-        """Every key/value pair: strings as str, numbers as int/float, arrays as lists."""
-        values: dict[str, Any] = {}
-        for key, field in self._reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            values[key] = field.contents()
-        return values
+        # Every key/value pair: strings as str, numbers as int/float, arrays as lists.
+        self.metadata: dict[str, Any] = {
+            key: field.contents() for key, field in self._reader.fields.items() if not key.startswith("GGUF.")
+        }
+        # The reader's parsed fields hold a numpy view per vocabulary string (~150 MB for a 49k
+        # vocabulary), which would stay alive through the whole weight load.
+        self._reader.fields = {}
 
     @property
     def architecture(self) -> str:
@@ -73,7 +71,16 @@ class GGUFFile:
                 f"{self.path}: tensor {name!r} is stored as GGML type {qtype.name}, "
                 f"which roseinfer cannot load (supported: {supported})"
             )
-        values = dequantize(tensor.data, qtype)
-        # A writable copy: F32 tensors come back as read-only views of the memory map.
-        array = np.array(values, dtype=np.float32, copy=True).reshape(self.tensor_shape(name))
+        shape = self.tensor_shape(name)
+        data = tensor.data  # a view of the memory map: [rows, bytes of a row] for block types
+        # A fresh array (F32 tensors come back as read-only views of the memory map), filled a
+        # run of rows at a time: dequantizing a whole embedding table at once would hold several
+        # float32 copies of it (numpy's intermediates) at the peak of loading.
+        array = np.empty(shape, dtype=np.float32)
+        if data.ndim >= 2 and data.shape[0] == shape[0]:
+            for start in range(0, shape[0], _ROWS_PER_RUN):
+                end = min(start + _ROWS_PER_RUN, shape[0])
+                array[start:end] = dequantize(data[start:end], qtype).reshape(end - start, *shape[1:])
+        else:
+            array[...] = dequantize(data, qtype).reshape(shape)
         return torch.from_numpy(array)

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 from roseinfer.errors import InvalidRequestError
@@ -40,7 +40,7 @@ class Grammar:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (CPU, from `allocate_bitmask`)."""
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask.numpy(), row)
 
     def is_terminated(self) -> bool:
         """The output is complete: nothing but an end-of-sequence token may follow (also true

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import numpy as np
 import torch
 
@@ -19,8 +19,13 @@ _executor: llguidance.LLExecutor | None = None
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """A (rows, ceil(vocab_size / 32)) int32 CPU tensor, every token allowed (pinned when CUDA is
-    there, so that it copies to the GPU without a sync)."""
-    return llguidance.torch.allocate_token_bitmask(rows, vocab_size)
+    there, so that it copies to the GPU without a sync).
+
+    The bitmask helpers used are llguidance's numpy ones, on a view of this tensor: importing
+    `llguidance.torch` imports torch's compiler stack (~120 MB resident and 2 s for every process
+    that loads roseinfer) for a torch.compile'd function we do not use (see `apply_bitmask`)."""
+    shape = llguidance.numpy.get_bitmask_shape(rows, vocab_size)
+    return torch.full(shape, -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
 
 
 def fill_bitmasks(grammars: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor) -> None:
@@ -31,8 +36,8 @@ def fill_bitmasks(grammars: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor
         return
     if _executor is None:
         _executor = llguidance.LLExecutor()
-    llguidance.torch.fill_next_token_bitmask_par(
-        _executor, [(grammar.matcher, row) for grammar, row in grammars], bitmask
+    llguidance.numpy.fill_next_token_bitmask_par(
+        _executor, [(grammar.matcher, row) for grammar, row in grammars], bitmask.numpy()
     )
 
 
