@@ -96,6 +96,17 @@ def test_block_quant_matches_its_dequantized_weight(bits, rows):
     assert batched.shape == (2, rows, linear.out_features) and relative_error(batched[1], as_one_batch) < 1e-5
 
 
+@pytest.mark.parametrize("rows", [31, 32, 33, 70, 129, 300])  # past 32 rows: the blocked matrix product
+@pytest.mark.parametrize("shape", [(101, 64), (250, 576), (6, 32)])  # weight rows not whole groups of 6 or panels
+def test_8bit_blocks_against_float_activations_at_batch_sizes(rows, shape):
+    """The LM head's kernel (8-bit blocks, float activations) at any batch size equals the float
+    product with its dequantized weight (only the order of the sums differs)."""
+    linear = random_linear(*shape, bias=False)
+    head = BlockQuantLinear(linear, 8, quantize_activations=False)
+    x = torch.randn(rows, linear.in_features)
+    assert relative_error(head(x), x @ blocks_of(linear, 8).T) < 1e-5
+
+
 def test_int8_groups_recover_gguf_q8_0_codes():
     """Q8_0 stores w = d * q per group of 32 (d in float16, the group's largest |q| is 127):
     quantizing such weights gives back the file's codes."""

@@ -65,15 +65,22 @@ def test_default_model_logits_match_transformers(default_engine, hf_default_mode
 
 def test_embedding_tables_are_kept_as_8bit_blocks_only_where_exact(tmp_path):
     """The default model's Q8_0 embedding is stored as its blocks (its float values come back
-    exactly: the token-exact tests above run through it); a random float table stays as it is."""
+    exactly: the token-exact tests above run through it, and through the tied LM head reading the
+    same blocks); a random float table stays as it is."""
     from gguf import GGUFReader, dequantize
 
     from roseinfer import LLM
+    from roseinfer.layers.cpu_kernels import cpu_kernels
     from roseinfer.layers.parallel import VocabParallelEmbedding
     from roseinfer.models.default_model import default_model_path
 
-    llm_embedding = LLM(kv_cache_memory=0.05).engine.runner.model.model.embed_tokens
+    model = LLM(kv_cache_memory=0.05).engine.runner.model
+    llm_embedding = model.model.embed_tokens
     assert llm_embedding.codes is not None and llm_embedding.weight.numel() == 0
+    kernels = cpu_kernels()
+    if kernels is not None and kernels.q8_float_gemm():  # the tied head reads the same blocks: no copy
+        assert model.lm_head.codes.data_ptr() == llm_embedding.codes.data_ptr()
+        assert model.lm_head.scales.data_ptr() == llm_embedding.scales.data_ptr()
     tensor = next(t for t in GGUFReader(default_model_path()).tensors if t.name == "token_embd.weight")
     table = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).float()  # gguf's own reading
     ids = torch.tensor([0, 1, 17, 9000, table.shape[0] - 1])

@@ -16,7 +16,9 @@ then swaps every one of them for the kernel that suits the device and `--quantiz
                 llama.cpp's for its Q4_1 file; the former bfloat16-activation kernels and the dynamic
                 int8 (int8 activations) mode were dropped for falling behind it.
 
-The embedding stays as it is even when the LM head shares its weight: the head gets its own copy.
+A tied LM head whose table is exactly 8-bit blocks (GGUF Q8_0, as the default model's) reads the
+embedding's blocks in float32, int8 and int4 modes (`registry.share_tied_head_blocks`); otherwise
+it gets its own copy of the table.
 """
 
 from __future__ import annotations
@@ -122,14 +124,28 @@ class BlockQuantLinear(nn.Module):
     # near 256 (the expansion writes the whole weight in float32 every call).
     SMALL_BATCH = 128
 
-    def __init__(self, linear: nn.Linear, bits: int, quantize_activations: bool = True) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        bits: int,
+        quantize_activations: bool = True,
+        blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """`blocks`: 8-bit codes and scales already made for this weight (a tied LM head reads its
+        embedding's own blocks), used as they are rather than copied."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bits = bits
         # Where the C++ build has VNNI, small batches' activations are quantized to 8 bits per
         # block (csrc/quant_linear_cpu.cpp); the LM head, bound by reading its weights, opts out.
         self.quantize_activations = quantize_activations
-        if bits == 4:
+        if blocks is not None:
+            if bits != 8:
+                raise ValueError("shared blocks are 8-bit blocks")
+            codes, scales = blocks
+            self.register_buffer("codes", codes)
+            self.register_buffer("minimums", None)
+        elif bits == 4:
             codes, scales, minimums = quantize_int4_groups(linear.weight.detach())
             self.register_buffer("codes", pack_nibbles(codes))
             self.register_buffer("minimums", minimums.contiguous())
@@ -140,6 +156,11 @@ class BlockQuantLinear(nn.Module):
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
         self._kernels = cpu_kernels()
+        # 8-bit blocks against float activations run as a blocked matrix product at any batch size
+        # where the C++ build has it (AVX-512): as fast as a prepacked float32 weight past ~32 rows.
+        self.float_matrix_kernel = (
+            bits == 8 and not quantize_activations and self._kernels is not None and self._kernels.q8_float_gemm()
+        )
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight [out, in] the layer multiplies by."""
@@ -157,7 +178,10 @@ class BlockQuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        if rows.shape[0] <= self.SMALL_BATCH and self._kernels is not None:
+        # With float activations the 8-bit kernel is a matrix product past a few rows (q8_gemm):
+        # no batch size needs the whole weight expanded.
+        kernel_serves = rows.shape[0] <= self.SMALL_BATCH or self.float_matrix_kernel
+        if kernel_serves and self._kernels is not None:
             if self.bits == 4:
                 out = self._kernels.q4_linear(rows, self.codes, self.scales, self.minimums)
             else:

@@ -79,7 +79,8 @@ class VocabParallelEmbedding(nn.Module):
     def store_as_8bit_blocks_if_exact(self) -> bool:
         """Keep the table as 8-bit blocks when they give back exactly the same values (as a table
         loaded from a Q8_0 GGUF file does: the default model's does). Call only once nothing else
-        holds the weight (a tied LM head must have its own copy by then)."""
+        holds the weight (a tied LM head must have its own copy by then, or read these blocks:
+        see `registry.share_tied_head_blocks`)."""
         if self.codes is not None or self.weight.shape[1] % INT8_GROUP_SIZE:
             return self.codes is not None
         codes, scales = quantize_int8_groups(self.weight)

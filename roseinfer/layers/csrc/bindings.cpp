@@ -16,6 +16,7 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor argmax_rows(torch::Tensor logits);
 void bind_llama_decoder(pybind11::module& m);
 bool quantizes_activations();
+bool q8_float_gemm();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU)");
@@ -31,6 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("quantize_x") = true);
   m.def("q4_dequantize", &q4_dequantize, "the float weights of 4-bit blocks");
   m.def("q8_dequantize", &q8_dequantize, "the float weights of 8-bit blocks");
+  m.def("q8_float_gemm", &q8_float_gemm,
+        "whether q8_linear with float activations is a register-blocked matrix product from 32 rows (AVX-512 builds)");
   m.def("quantizes_activations", &quantizes_activations,
         "whether q4_linear and q8_linear (by default) quantize x to 8 bits per block of 32 (VNNI builds)");
   bind_llama_decoder(m);

@@ -265,6 +265,104 @@ void q8_rows_vnni(const uint8_t* __restrict xq, const float* __restrict xd, cons
 }
 #endif
 
+#if defined(__AVX512F__)
+// Float activations against 8-bit blocks for many rows (the LM head at batch sizes): a matrix
+// product, not a dot product per output. The batch is transposed once (x^T, columns padded to
+// whole vectors of 16 rows); each group of kWeightRows weight rows is expanded once to float
+// (codes times scale: exactly the dequantized weight) and every step k multiplies each expanded
+// weight, broadcast, by 16 batch rows at a time. No horizontal sums, and each block is expanded
+// once per call instead of once per tile of rows, which is what made the dot-product kernel slower
+// than a prepacked float32 matrix product past ~16 rows.
+constexpr int64_t kGemmRows = 32;  // from here on q8_gemm beats the dot-product kernel
+constexpr int kWeightRows = 6;  // 6 weight rows x 4 vectors of 16 batch rows = 24 accumulators
+constexpr int kBatchVectors = 4;
+constexpr int64_t kPanelRows = 16 * kWeightRows;  // weight rows whose outputs are gathered before storing
+constexpr int64_t kGemmMaxRows = 128;  // batch rows per pass over the weights
+
+template <int R, int V>
+void q8_gemm_tile(const float* __restrict xt, int64_t mpad, const float* __restrict w, int64_t K, int64_t m0,
+                  int64_t M, int64_t n, int64_t N, float* __restrict out) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(xt + k * mpad + m0 + v * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wk = _mm512_set1_ps(w[r * K + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(wk, xv[v], acc[r][v]);
+    }
+  }
+  alignas(64) float lanes[16];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      _mm512_store_ps(lanes, acc[r][v]);
+      const int64_t first = m0 + v * 16, count = std::min<int64_t>(16, M - first);
+      for (int64_t i = 0; i < count; ++i) out[(first + i) * N + n + r] = lanes[i];
+    }
+}
+
+template <int R>
+void q8_gemm_rows(const float* xt, int64_t mpad, const float* w, int64_t K, int64_t M, int64_t n, int64_t N,
+                  float* out) {
+  constexpr int64_t chunk = kBatchVectors * 16;
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    switch ((std::min(chunk, M - m0) + 15) / 16) {
+      case 1: q8_gemm_tile<R, 1>(xt, mpad, w, K, m0, M, n, N, out); break;
+      case 2: q8_gemm_tile<R, 2>(xt, mpad, w, K, m0, M, n, N, out); break;
+      case 3: q8_gemm_tile<R, 3>(xt, mpad, w, K, m0, M, n, N, out); break;
+      default: q8_gemm_tile<R, 4>(xt, mpad, w, K, m0, M, n, N, out); break;
+    }
+  }
+}
+
+void q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* scales, int64_t N,
+             float* out) {
+  if (M > kGemmMaxRows) {  // so that x^T stays in the core's cache while every weight row reads it
+    for (int64_t m0 = 0; m0 < M; m0 += kGemmMaxRows)
+      q8_gemm(x + m0 * K, std::min(kGemmMaxRows, M - m0), K, codes, scales, N, out + m0 * N);
+    return;
+  }
+  const int64_t blocks = K / kBlock, mpad = (M + 15) / 16 * 16;
+  std::vector<float> xt(K * mpad, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[k * mpad + m] = x[m * K + k];
+  const float* xtp = xt.data();
+  const int64_t panels = (N + kPanelRows - 1) / kPanelRows;
+  at::parallel_for(0, panels, std::max<int64_t>(1, panels / (8 * at::get_num_threads())), [&](int64_t p0, int64_t p1) {
+    std::vector<float> w(kWeightRows * K), tile(M * kPanelRows);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t first = p * kPanelRows, width = std::min<int64_t>(kPanelRows, N - first);
+      for (int64_t n = 0; n < width; n += kWeightRows) {
+        const int64_t rows = std::min<int64_t>(kWeightRows, width - n);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t b = 0; b < blocks; ++b) {
+            const int8_t* q = codes + (first + n + r) * K + b * kBlock;
+            const __m512 scale = _mm512_set1_ps(scales[(first + n + r) * blocks + b]);
+            for (int half = 0; half < 2; ++half) {
+              const __m512 v = _mm512_cvtepi32_ps(
+                  _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + half * 16))));
+              _mm512_storeu_ps(w.data() + r * K + b * kBlock + half * 16, _mm512_mul_ps(v, scale));
+            }
+          }
+        float* t = tile.data();
+        switch (rows) {
+          case 1: q8_gemm_rows<1>(xtp, mpad, w.data(), K, M, n, kPanelRows, t); break;
+          case 2: q8_gemm_rows<2>(xtp, mpad, w.data(), K, M, n, kPanelRows, t); break;
+          case 3: q8_gemm_rows<3>(xtp, mpad, w.data(), K, M, n, kPanelRows, t); break;
+          case 4: q8_gemm_rows<4>(xtp, mpad, w.data(), K, M, n, kPanelRows, t); break;
+          case 5: q8_gemm_rows<5>(xtp, mpad, w.data(), K, M, n, kPanelRows, t); break;
+          default: q8_gemm_rows<kWeightRows>(xtp, mpad, w.data(), K, M, n, kPanelRows, t); break;
+        }
+      }
+      // The panel's outputs leave in whole rows: written straight from the tiles, the outputs of
+      // one weight row are a column of [M, N] whose addresses, N floats apart, collide in the cache.
+      for (int64_t m = 0; m < M; ++m) std::copy_n(tile.data() + m * kPanelRows, width, out + m * N + first);
+    }
+  });
+}
+#endif
+
 // Weight rows per parallel task: enough to amortise a task, few enough to keep both cores busy.
 int64_t grain(int64_t N) { return std::max<int64_t>(16, N / (4 * at::get_num_threads())); }
 
@@ -320,6 +418,12 @@ void q4_matmul(const float* x, int64_t M, int64_t K, const uint8_t* codes, const
 
 void q8_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* scales, int64_t N,
                float* out, bool quantize_x) {
+#if defined(__AVX512F__)
+  if (!quantize_x && M >= kGemmRows) {
+    q8_gemm(x, M, K, codes, scales, N, out);
+    return;
+  }
+#endif
 #if ROSEINFER_VNNI
   if (!quantize_x) {
     over_tiles(M, N, [&](auto tile, int64_t m, int64_t n0, int64_t n1) {
@@ -346,6 +450,14 @@ void q8_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const 
 }
 
 }  // namespace roseinfer
+
+bool q8_float_gemm() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
 
 bool quantizes_activations() {
 #if ROSEINFER_VNNI
