@@ -216,39 +216,45 @@ def _supports(kind: Callable[[nn.Linear], nn.Module], linear: nn.Linear, dtype: 
     return True
 
 
-def prepare_linear_layers(model: nn.Module, quantization: str, device: torch.device) -> int:
-    """Replace every `nn.Linear` of a loaded model by the chosen kernel; returns how many."""
-    if quantization not in QUANTIZATION_METHODS:
-        raise InvalidRequestError(
-            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {quantization!r}",
-            "quantization",
-        )
-    kind = _kernel_for(quantization, device)
-    if kind is None:
-        return 0
-    # (parent, name) pairs only, not the layers: a list holding every old nn.Linear would keep all
-    # the original weights alive until the last layer is converted (the model twice in memory).
-    places = [
-        (parent_name, parent, name)
-        for parent_name, parent in model.named_modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear
-    ]
-    replaced = 0
-    for parent_name, parent, name in places:
+class LinearLayerKernels:
+    """Swaps a model's `nn.Linear` layers, one at a time (as each is loaded, or all at the end:
+    `prepare_linear_layers`), for the kernel that suits the device and `--quantization`."""
+
+    def __init__(self, quantization: str, device: torch.device) -> None:
+        if quantization not in QUANTIZATION_METHODS:
+            raise InvalidRequestError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {quantization!r}",
+                "quantization",
+            )
+        self.quantization = quantization
+        self.kind = _kernel_for(quantization, device)
+
+    def prepare(self, model: nn.Module, module_name: str) -> bool:
+        """Replace `model`'s module `module_name` if it is an `nn.Linear`; returns whether it did."""
+        parent_name, _, name = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
         child = getattr(parent, name)
-        layer_kind = kind
-        if not parent_name and name == "lm_head" and quantization in ("int4", "int8"):
+        if self.kind is None or type(child) is not nn.Linear:
+            return False
+        kind = self.kind
+        if not parent_name and name == "lm_head" and self.quantization in ("int4", "int8"):
             # The head, the layer most sensitive to rounding, gets 8-bit blocks (as GGUF files
             # keep it at 6-8 bits; the default model's head is Q8_0, so these are its own codes)
             # and float activations.
-            layer_kind = partial(BlockQuantLinear, bits=8, quantize_activations=False)
-        if not _supports(layer_kind, child, child.weight.dtype):
+            kind = partial(BlockQuantLinear, bits=8, quantize_activations=False)
+        if not _supports(kind, child, child.weight.dtype):
             logger.warning("%s (%d x %d) stays unquantized: its shape does not fit %s",
-                           name, child.out_features, child.in_features, quantization)
-            continue
+                           module_name, child.out_features, child.in_features, self.quantization)
+            return False
         with torch.no_grad():
-            setattr(parent, name, layer_kind(child))
-        replaced += 1
-    return replaced
+            setattr(parent, name, kind(child))
+        return True
 
+
+def prepare_linear_layers(model: nn.Module, quantization: str, device: torch.device) -> int:
+    """Replace every `nn.Linear` of a loaded model by the chosen kernel; returns how many."""
+    kernels = LinearLayerKernels(quantization, device)
+    # Names only, not the layers: a list holding every old nn.Linear would keep all the original
+    # weights alive until the last layer is converted (the model twice in memory).
+    names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    return sum(kernels.prepare(model, name) for name in names)

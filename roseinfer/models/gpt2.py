@@ -20,7 +20,7 @@ from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.distributed.partition import partition
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
 from roseinfer.layers.parallel import VocabParallelEmbedding, gather_logits, take_shard
-from roseinfer.models.weights import WeightLoader
+from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
 _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _GELU_APPROXIMATION = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -106,8 +106,10 @@ class GPT2LMHeadModel(nn.Module):
         """Logits over the whole vocabulary on rank 0 (None on the other ranks)."""
         return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self)
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], on_module_loaded: ModuleLoaded | None = None
+    ) -> None:
+        loader = WeightLoader(self, on_module_loaded)
         for name, tensor in weights:
             if not name.startswith(("transformer.", "lm_head.")):
                 name = "transformer." + name  # GPT2Model checkpoints have no prefix

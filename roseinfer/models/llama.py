@@ -26,7 +26,7 @@ from roseinfer.layers.rotary import (
     interleave_rotary_rows,
     rope_inverse_frequencies,
 )
-from roseinfer.models.weights import WeightLoader
+from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
 
 class LlamaAttention(nn.Module):
@@ -149,7 +149,9 @@ class LlamaForCausalLM(nn.Module):
         """Logits over the whole vocabulary on rank 0 (None on the other ranks)."""
         return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], on_module_loaded: ModuleLoaded | None = None
+    ) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up into their shared matrices
         and putting q/k rows (and q/k norms) in the interleaved rotary layout; with tensor
         parallelism, only this rank's slice of each."""
@@ -171,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
             "gate_proj": ("gate_up_proj", 0),
             "up_proj": ("gate_up_proj", mlp.intermediate_size),
         }
-        loader = WeightLoader(self)
+        loader = WeightLoader(self, on_module_loaded)
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue

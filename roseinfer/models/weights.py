@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from roseinfer.errors import ModelLoadError
 
+ModuleLoaded = Callable[[str], None]
+
+
+def _rows(param: torch.Tensor) -> int:
+    return param.shape[0] if param.dim() else 1
+
 
 class WeightLoader:
-    def __init__(self, model: nn.Module) -> None:
+    """`on_module_loaded(module_name)`, if given, is called as soon as every parameter of a module
+    is loaded (the module may then be converted, e.g. a linear layer quantized, while the rest
+    loads); the loader lets go of that module's parameters then, so that a replaced weight is freed
+    at once rather than at the end of the load."""
+
+    def __init__(self, model: nn.Module, on_module_loaded: ModuleLoaded | None = None) -> None:
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self._rows_loaded: dict[str, int] = {}
+        self._on_module_loaded = on_module_loaded
+        self._waiting: dict[str, set[str]] = {}  # module name -> its parameters not yet complete
+        for name in self.params:
+            self._waiting.setdefault(_module_of(name), set()).add(name)
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         param = self._param(name)
@@ -21,7 +38,7 @@ class WeightLoader:
             )
         with torch.no_grad():
             param.copy_(tensor)
-        self._rows_loaded[name] = param.shape[0] if param.dim() else 1
+        self._set_rows(name, _rows(param))
 
     def load_rows(self, name: str, tensor: torch.Tensor, first_row: int) -> None:
         """Load one shard of a fused matrix (e.g. k_proj into qkv_proj) at its row offset."""
@@ -34,11 +51,25 @@ class WeightLoader:
             )
         with torch.no_grad():
             param[first_row:end].copy_(tensor)
-        self._rows_loaded[name] = self._rows_loaded.get(name, 0) + tensor.shape[0]
+        self._set_rows(name, self._rows_loaded.get(name, 0) + tensor.shape[0])
 
     def mark_loaded(self, name: str) -> None:
-        param = self._param(name)
-        self._rows_loaded[name] = param.shape[0] if param.dim() else 1
+        self._set_rows(name, _rows(self._param(name)))
+
+    def _set_rows(self, name: str, rows: int) -> None:
+        self._rows_loaded[name] = rows
+        if rows != _rows(self.params[name]):
+            return
+        module = _module_of(name)
+        waiting = self._waiting.get(module)
+        if waiting is None:
+            return
+        waiting.discard(name)
+        if not waiting and self._on_module_loaded is not None:
+            del self._waiting[module]
+            for done in [n for n in self.params if _module_of(n) == module]:
+                del self.params[done]  # complete: nothing left to check, and the module may drop it
+            self._on_module_loaded(module)
 
     def was_loaded(self, name: str) -> bool:
         return name in self._rows_loaded
@@ -47,14 +78,20 @@ class WeightLoader:
         missing = [
             name
             for name, param in self.params.items()
-            if self._rows_loaded.get(name, 0) != (param.shape[0] if param.dim() else 1)
+            if self._rows_loaded.get(name, 0) != _rows(param)
         ]
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensor(s): {shown}")
 
     def _param(self, name: str) -> torch.nn.Parameter:
+        if name not in self.params and name in self._rows_loaded:
+            raise ModelLoadError(f"the checkpoint has tensor {name!r} twice")
         param = self.params.get(name)
         if param is None:
             raise ModelLoadError(f"the checkpoint has a tensor {name!r} that the model does not use")
         return param
+
+
+def _module_of(param_name: str) -> str:
+    return param_name.rpartition(".")[0]
