@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 MIB = 1024 * 1024
 
 # Prints the process's resident set (and its high-water mark) after the given code, in bytes.
@@ -65,33 +67,21 @@ extra = {"inductor": "torch._inductor" in sys.modules}
     assert not figures["inductor"]
 
 
-def test_loading_peaks_near_the_loaded_model() -> None:
-    # float32: peak 872 MiB for 738 once loaded (134 above); it was 1,334 (489 above) while every
-    # original weight stayed alive until the last layer had its prepacked copy, and the embedding
-    # table was dequantized and re-blocked whole.
-    figures = measure("""
+# float32: peak 872 MiB for 738 once loaded (134 above); it was 1,334 (489 above) while every
+# original weight stayed alive until the last layer had its prepacked copy, and the embedding table
+# was dequantized and re-blocked whole. int4: peak 558 for 403 (155 above); it was 946 (543 above)
+# while every layer was loaded in float32 before any was quantized (now each is, once loaded).
+@pytest.mark.parametrize(("quantization", "bound_mib"), [("none", 250), ("int4", 300)])
+def test_loading_peaks_near_the_loaded_model(quantization: str, bound_mib: int) -> None:
+    figures = measure(f"""
 import torch
 from roseinfer.models.loader import load_model, release_free_memory
-loaded = load_model(None, None, torch.device("cpu"), torch.float32)
+loaded = load_model(None, None, torch.device("cpu"), torch.float32, {quantization!r})
 release_free_memory()
-extra = {}
+extra = {{}}
 """)
     transient = figures["hwm"] - figures["rss"]
-    assert transient < 250 * MIB, f"loading peaked {transient / MIB:.0f} MiB above the loaded model"
-
-
-def test_an_int4_load_never_holds_the_float32_model() -> None:
-    # int4: peak 558 MiB for 403 once loaded (155 above); it was 946 (543 above) while every layer
-    # was loaded in float32 before any was quantized. Each is quantized as soon as it is loaded now.
-    figures = measure("""
-import torch
-from roseinfer.models.loader import load_model, release_free_memory
-loaded = load_model(None, None, torch.device("cpu"), torch.float32, "int4")
-release_free_memory()
-extra = {}
-""")
-    transient = figures["hwm"] - figures["rss"]
-    assert transient < 300 * MIB, f"loading peaked {transient / MIB:.0f} MiB above the loaded model"
+    assert transient < bound_mib * MIB, f"loading peaked {transient / MIB:.0f} MiB above the loaded model"
 
 
 def test_reading_a_gguf_file_leaves_its_pages_out_of_the_resident_set() -> None:
