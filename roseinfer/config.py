@@ -30,6 +30,9 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+# --kv-cache-dtype also takes llama.cpp's q8_0: int8 codes and a float16 scale per 32 values, kept
+# in an int8 pool whose rows hold both (see ModelConfig.kv_row_elements).
+_KV_CACHE_DTYPES = {**_DTYPES, "q8_0": torch.int8}
 
 
 @dataclass
@@ -56,12 +59,17 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
 
+    def kv_row_elements(self, dtype: torch.dtype) -> int:
+        """Pool elements of one token's keys (or values) for one KV head: head_dim, or for a q8_0
+        pool (int8) head_dim codes then a float16 scale (2 bytes) per 32 of them."""
+        return self.head_dim + self.head_dim // 16 if dtype == torch.int8 else self.head_dim
+
     def kv_block_bytes(self, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
         """Bytes one KV block takes across all layers, keys and values, on one rank (with tensor
         parallelism a rank holds only its KV heads; the rank with the most of them counts)."""
         element = torch.tensor([], dtype=dtype).element_size()
         heads = -(-self.num_kv_heads // tensor_parallel_size)
-        return 2 * self.num_layers * block_size * heads * self.head_dim * element
+        return 2 * self.num_layers * block_size * heads * self.kv_row_elements(dtype) * element
 
     @property
     def context_length(self) -> int:
@@ -187,9 +195,9 @@ class EngineConfig:
             raise bad("max_model_len", f"must be at least 2, got {self.max_model_len}")
         if self.dtype not in ("auto", *_DTYPES):
             raise bad("dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", *_DTYPES):
-            raise bad("kv_cache_dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.kv_cache_dtype!r}"
-                      " (8-bit KV caches are not supported)")
+        if self.kv_cache_dtype not in ("auto", *_KV_CACHE_DTYPES):
+            raise bad("kv_cache_dtype", f"must be auto or one of {sorted(_KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+                      + (" (the 8-bit cache is llama.cpp's q8_0)" if self.kv_cache_dtype.startswith("fp8") else ""))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATION_METHODS:
@@ -243,6 +251,11 @@ class EngineConfig:
         from roseinfer.distributed.partition import check_tensor_parallel
 
         check_tensor_parallel(model_config, self.tensor_parallel_size)
+        if self.kv_cache_torch_dtype == torch.int8 and model_config.head_dim % 32:
+            raise InvalidRequestError(
+                f"kv_cache_dtype q8_0 needs a head size that is a multiple of 32; this model's is {model_config.head_dim}",
+                "kv_cache_dtype",
+            )
         context = model_config.context_length
         if self.max_model_len is not None and self.max_model_len > context:
             raise InvalidRequestError(
@@ -309,7 +322,7 @@ class EngineConfig:
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
-        return self.torch_dtype if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else _KV_CACHE_DTYPES[self.kv_cache_dtype]
 
 
 ENGINE_ARG_NAMES = (
@@ -341,7 +354,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--kv-cache-dtype", default="auto",
                        help="auto (the model's dtype) | bfloat16 | float16: a float32 model's KV cache in "
-                            "half the memory (attention still computes in float32)")
+                            "half the memory | q8_0 (llama.cpp's: int8 and a scale per 32, 8.5 bits a value): "
+                            "about a quarter (attention still computes in float32)")
     group.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                        help="most memory for the KV cache in GiB (default "
                             f"{EngineConfig.DEFAULT_KV_CACHE_GIB:g}; less when max-num-seqs x max-model-len "

@@ -7,9 +7,11 @@ import torch
 from support import compare_logits_step_by_step, tiny_hf_model
 
 from roseinfer import InferenceEngine
-from roseinfer.layers.attention import AttentionMetadata, PagedAttention
+from roseinfer.errors import InvalidRequestError
+from roseinfer.layers.attention import AttentionMetadata, PagedAttention, kv_rows, kv_values
 
 BLOCK_SIZE = 16
+Q8_BOUND = 0.1  # q8_0 keys and values: ~0.047 on the tiny Qwen3 (bfloat16 KV: ~0.013 on the tiny Llama)
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +84,17 @@ def test_each_backend_matches_transformers(backend, tmp_path, request):
     assert worst < 1e-3
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-def test_float32_queries_over_a_16_bit_pool(kernel, cache_dtype):
-    """--kv-cache-dtype: the kernel reads a 16-bit pool for float32 queries and agrees with the
-    PyTorch path (which converts the gathered blocks), and with float32 attention over the same
-    rounded keys and values."""
+@pytest.mark.parametrize(("query_dtype", "cache_dtype"), [
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.float32, torch.int8),
+    (torch.bfloat16, torch.int8),
+])
+def test_queries_over_a_narrower_pool(kernel, query_dtype, cache_dtype):
+    """--kv-cache-dtype: the kernel reads a 16-bit or q8_0 (int8 codes and scales) pool and agrees
+    with the PyTorch path (which converts the gathered blocks), and with attention in the queries'
+    dtype over the same rounded keys and values."""
     lengths = [1, 15, 17, 100]
-    q, kv_cache, tables, lens = random_step(9, 3, 64, lengths, torch.float32)
-    pool = kv_cache.to(cache_dtype)
+    q, kv_cache, tables, lens = random_step(9, 3, 64, lengths, query_dtype)
+    pool = kv_rows(kv_cache, cache_dtype)
     attention = PagedAttention(9, 3, 64, 64**-0.5)
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(lengths),
                              decode_block_tables=tables, decode_context_lens=lens, decode_kernel=kernel)
@@ -98,29 +103,42 @@ def test_float32_queries_over_a_16_bit_pool(kernel, cache_dtype):
                                    decode_block_tables=tables, decode_context_lens=lens,
                                    decode_mask=(positions[None, :] < lens[:, None])[:, None, None, :])
     out = attention._decode(q, pool, meta)
-    assert out.dtype == torch.float32
-    assert (out - attention._decode(q, pool, torch_meta)).abs().max() < 1e-5
-    assert (out - attention._decode(q, pool.float(), meta)).abs().max() < 1e-5
+    assert out.dtype == query_dtype
+    tolerance = 1e-5 if query_dtype == torch.float32 else 1e-2  # a bfloat16 output's rounding
+    assert (out - attention._decode(q, pool, torch_meta)).abs().max() < tolerance
+    assert (out - attention._decode(q, kv_values(pool, 64, query_dtype), meta)).abs().max() < tolerance
 
 
-def test_16_bit_kv_cache_model_matches_transformers(tmp_path, request):
-    """A float32 model over a bfloat16 KV cache (both attention backends): the pool is bfloat16
-    and the logits stay close to transformers' float32 ones (keys and values rounded to 8 bits of
-    mantissa move them by ~1e-3 on this model)."""
-    reference = tiny_hf_model("llama", tmp_path / "llama")
+@pytest.mark.parametrize(("kind", "kv_cache_dtype", "pool_dtype", "bound"), [
+    ("llama", "bfloat16", torch.bfloat16, 2e-2), ("qwen3", "q8_0", torch.int8, Q8_BOUND),  # q8_0: heads of 32
+])
+def test_narrow_kv_cache_model_matches_transformers(tmp_path, request, kind, kv_cache_dtype, pool_dtype, bound):
+    """A float32 model over a bfloat16 or q8_0 KV cache (both attention backends): the pool is of
+    that dtype and the logits stay close to transformers' float32 ones (keys and values rounded to
+    8 bits of mantissa move them by ~1e-2 on this model)."""
+    reference = tiny_hf_model(kind, tmp_path / kind)
     for backend in ("cpp", "torch"):
         if backend == "cpp":
             request.getfixturevalue("kernel")
-        engine = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=32, attention_backend=backend,
-                                 kv_cache_dtype="bfloat16")
-        assert engine.runner.kv_caches[0].dtype == torch.bfloat16
+        engine = InferenceEngine(str(tmp_path / kind), num_kv_blocks=32, attention_backend=backend,
+                                 kv_cache_dtype=kv_cache_dtype)
+        assert engine.runner.kv_caches[0].dtype == pool_dtype
         worst = compare_logits_step_by_step(engine, reference, [[5, 9, 30, 31, 200], [7] * 20, [3]], 20)
-        assert 0 < worst < 2e-2, (backend, worst)
+        assert 0 < worst < bound, (backend, worst)
+
+
+def test_q8_0_kv_cache_needs_heads_of_32(tmp_path):
+    tiny_hf_model("llama", tmp_path / "llama")  # heads of 16
+    with pytest.raises(InvalidRequestError, match="q8_0 needs a head size that is a multiple of 32; this model's is 16"):
+        InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=32, kv_cache_dtype="q8_0")
 
 
 def test_kv_cache_dtype_is_checked():
     from roseinfer.config import EngineConfig
     from roseinfer.errors import InvalidRequestError
 
-    with pytest.raises(InvalidRequestError, match="kv_cache_dtype .*'fp8'"):
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype .*'fp8'.*llama.cpp's q8_0"):
         EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype .*'int8'"):
+        EngineConfig(kv_cache_dtype="int8")
+    assert EngineConfig(kv_cache_dtype="q8_0").kv_cache_torch_dtype == torch.int8

@@ -80,12 +80,15 @@ def test_no_fused_decoder_where_it_does_not_apply(default_llm):
     assert torch.get_default_dtype() == torch.float32
 
 
-def test_fused_decode_over_a_bfloat16_kv_cache(tmp_path):
-    """--kv-cache-dtype bfloat16: the C++ step writes and reads the 16-bit pool as the op-by-op
-    forward does (same rounding of keys and values)."""
-    tiny_hf_model("llama", tmp_path / "llama")
-    engine = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=64, quantization="int8", kv_cache_dtype="bfloat16")
-    assert engine.runner.kv_caches[0].dtype == torch.bfloat16
+@pytest.mark.parametrize(("kind", "kv_cache_dtype", "pool_dtype"), [
+    ("llama", "bfloat16", torch.bfloat16), ("qwen3", "q8_0", torch.int8),  # q8_0 wants heads of 32
+])
+def test_fused_decode_over_a_narrower_kv_cache(tmp_path, kind, kv_cache_dtype, pool_dtype):
+    """--kv-cache-dtype bfloat16 or q8_0: the C++ step writes and reads the pool as the op-by-op
+    forward does (same rounding, or quantization, of keys and values)."""
+    tiny_hf_model(kind, tmp_path / kind)
+    engine = InferenceEngine(str(tmp_path / kind), num_kv_blocks=64, quantization="int8", kv_cache_dtype=kv_cache_dtype)
+    assert engine.runner.kv_caches[0].dtype == pool_dtype
     worst, worst_kl = decode_logits_both_ways(engine, [[5, 9, 30, 31, 200], [7] * 20, list(range(40, 77))], steps=6)
     if cpu_kernels().quantizes_activations():
         assert worst_kl < 1e-3, (worst, worst_kl)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from roseinfer.layers import cpu_kernels as cpu_kernels_module
 from roseinfer.layers.activation import silu_and_mul
-from roseinfer.layers.attention import write_kv
+from roseinfer.layers.attention import kv_rows, kv_values, write_kv
 from roseinfer.worker.sampler import greedy_tokens
 
 
@@ -44,6 +44,31 @@ def test_write_kv_matches_index_copy(kernels, model_dtype, pool_dtype, tokens):
     flat[1].index_copy_(0, slots, v.to(pool_dtype))
     write_kv(pool, slots, k, v)
     assert torch.equal(pool, expected)
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_quantizes_q8_0_rows_as_llama_cpp(kernels, model_dtype):
+    """--kv-cache-dtype q8_0: each head's row is stored as 64 int8 codes then a float16 scale per
+    32 values (scale = max|x| / 127, codes = round(x / scale)): the kernel's bytes equal the
+    PyTorch path's, and every value comes back within half a step (plus the float16 scale's
+    rounding, as in llama.cpp)."""
+    generator = torch.Generator().manual_seed(5)
+    x = (torch.randn(50, 3, 64, generator=generator) * torch.tensor([0.01, 1.0, 30.0]).view(1, 3, 1)).to(model_dtype)
+    x[0, 0, :32] = 0  # an all-zero block: scale 0, codes 0
+    slots = torch.randperm(64, generator=generator)[:50]
+    pool = torch.zeros(2, 4, 16, 3, 64 + 4, dtype=torch.int8)
+    kernels.write_kv_(pool, slots, x, -x)
+    rows = pool.view(2, -1, 3, 68)
+    expected = kv_rows(x, torch.int8)
+    assert torch.equal(rows[0][slots], expected) and torch.equal(rows[1][slots], kv_rows(-x, torch.int8))
+    back = kv_values(rows[0][slots], 64, torch.float32)
+    step = rows[0][slots][..., 64:].contiguous().view(torch.float16).float().repeat_interleave(32, -1)
+    assert ((back - x.float()).abs() <= (0.5 + 127 * 2**-11) * step + 1e-12).all()
+    fallback = torch.zeros_like(pool)  # heads not contiguous: the PyTorch path
+    spread = torch.zeros(50, 3, 64, 2, dtype=model_dtype)
+    spread[..., 0] = x
+    write_kv(fallback, slots, spread[..., 0], -spread[..., 0])
+    assert torch.equal(fallback, pool)
 
 
 def test_write_kv_rejects_a_slot_outside_the_pool(kernels):

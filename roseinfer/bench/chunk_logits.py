@@ -54,9 +54,10 @@ class ChunkLogits:
         self.device = device
         self.max_tokens = max_tokens
         num_blocks = -(-max_tokens // _BLOCK_SIZE)
-        shape = (2, num_blocks, _BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+        pool_dtype = kv_cache_dtype or dtype
+        shape = (2, num_blocks, _BLOCK_SIZE, config.num_kv_heads, config.kv_row_elements(pool_dtype))
         self.kv_caches = [
-            torch.zeros(shape, dtype=kv_cache_dtype or dtype, device=device) for _ in range(config.num_layers)
+            torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(config.num_layers)
         ]
 
     @classmethod

@@ -180,10 +180,10 @@ def _mode(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from exc
     dtypes = ("float32", "bfloat16", "float16")
     if mode.dtype not in dtypes or mode.quantization not in QUANTIZATION_METHODS or (
-        mode.kv_cache_dtype not in ("auto", *dtypes)
+        mode.kv_cache_dtype not in ("auto", "q8_0", *dtypes)
     ):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: the dtype (and KV cache dtype) must be float32, bfloat16 or float16 and the quantization "
+            f"{text!r}: the dtype must be float32, bfloat16 or float16 (the KV cache dtype also q8_0) and the quantization "
             f"one of {', '.join(QUANTIZATION_METHODS)}"
         )
     return text

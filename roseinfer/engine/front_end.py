@@ -53,5 +53,6 @@ class EngineFrontEnd:
             self.model_name, model.architecture, model.num_layers, config.torch_device,
             str(config.torch_dtype).removeprefix("torch."), config.quantization, seconds,
             config.num_kv_blocks, config.block_size, kv_bytes / 1024**3,
-            str(config.kv_cache_torch_dtype).removeprefix("torch."), self.max_model_len,
+            "q8_0" if config.kv_cache_dtype == "q8_0" else str(config.kv_cache_torch_dtype).removeprefix("torch."),
+            self.max_model_len,
         )

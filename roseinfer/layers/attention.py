@@ -63,10 +63,31 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
     if kernels is not None and _heads_contiguous(k) and _heads_contiguous(v):
         kernels.write_kv_(kv_cache, slot_mapping, k, v)
         return
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    slots = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    slots[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    slots[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    slots = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    slots[0].index_copy_(0, slot_mapping, kv_rows(k, kv_cache.dtype))
+    slots[1].index_copy_(0, slot_mapping, kv_rows(v, kv_cache.dtype))
+
+
+def kv_rows(x: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
+    """[tokens, kv_heads, head_dim] values as the pool stores them: rounded to its dtype, or, for a
+    q8_0 pool (int8), as llama.cpp's q8_0 (per 32 values: scale = max|x| / 127, codes = round(x /
+    scale), then the scales in float16, 2 bytes each, after the row's codes). The C++ kernel
+    (write_kv_) stores the same bytes."""
+    if pool_dtype != torch.int8:
+        return x.to(pool_dtype)
+    blocks = x.float().unflatten(-1, (-1, 32))
+    scale = blocks.abs().amax(-1) * (1.0 / 127.0)  # as the C++ kernel computes it
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    codes = torch.round(blocks * inverse[..., None]).to(torch.int8).flatten(-2)
+    return torch.cat([codes, scale.to(torch.float16).view(torch.int8)], dim=-1)
+
+
+def kv_values(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Pool rows [..., row] back as values [..., head_dim] of `dtype` (see kv_rows)."""
+    if rows.dtype != torch.int8:
+        return rows.to(dtype)
+    codes, scales = rows[..., :head_dim], rows[..., head_dim:].contiguous().view(torch.float16)
+    return (codes.float().unflatten(-1, (-1, 32)) * scales.float()[..., None]).flatten(-2).to(dtype)
 
 
 def _heads_contiguous(x: torch.Tensor) -> bool:
@@ -127,8 +148,10 @@ class PagedAttention(nn.Module):
             )
         batch = q.shape[0]
         block_ids = meta.decode_block_tables.view(-1)
-        keys = gather_blocks(kv_cache[0], block_ids).view(batch, -1, self.num_kv_heads, self.head_dim).to(q.dtype)
-        values = gather_blocks(kv_cache[1], block_ids).view(batch, -1, self.num_kv_heads, self.head_dim).to(q.dtype)
+        keys = kv_values(gather_blocks(kv_cache[0], block_ids), self.head_dim, q.dtype).view(
+            batch, -1, self.num_kv_heads, self.head_dim)
+        values = kv_values(gather_blocks(kv_cache[1], block_ids), self.head_dim, q.dtype).view(
+            batch, -1, self.num_kv_heads, self.head_dim)
         # One query token per request: the heads sharing a KV head become that head's query rows,
         # so grouped-query attention needs no copies of K and V.
         grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
@@ -151,8 +174,8 @@ class PagedAttention(nn.Module):
             keys, values, mask, causal = k, v, None, True
         else:
             context = chunk.num_cached + chunk.query_len
-            keys = gather_blocks(kv_cache[0], chunk.block_ids)[:context].to(q.dtype)
-            values = gather_blocks(kv_cache[1], chunk.block_ids)[:context].to(q.dtype)
+            keys = kv_values(gather_blocks(kv_cache[0], chunk.block_ids)[:context], self.head_dim, q.dtype)
+            values = kv_values(gather_blocks(kv_cache[1], chunk.block_ids)[:context], self.head_dim, q.dtype)
             mask, causal = chunk.mask, False
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),

@@ -124,7 +124,8 @@ class ModelRunner:
         # rank's KV heads under tensor parallelism.
         tp = get_tp_group()
         kv_heads = partition(model_config.num_kv_heads, tp.size, tp.rank)[1]
-        shape = (2, config.num_kv_blocks, self.block_size, kv_heads, model_config.head_dim)
+        row = model_config.kv_row_elements(config.kv_cache_torch_dtype)  # head_dim, or q8_0's codes and scales
+        shape = (2, config.num_kv_blocks, self.block_size, kv_heads, row)
         self.kv_caches = [zeroed_untouched(shape, config.kv_cache_torch_dtype, self.device) for _ in range(model_config.num_layers)]
         self.sampler = Sampler()
         self.decode_kernel = decode_kernel_for(config.attention_backend, self.device)

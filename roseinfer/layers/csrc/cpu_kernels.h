@@ -13,6 +13,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace roseinfer {
@@ -73,6 +75,72 @@ inline void store16<c10::Half>(c10::Half* p, __m512 v) {
 }
 #endif
 
+// The KV pool's rows. A row is one token's values of one KV head: head_dim values of the pool's
+// type, or, for llama.cpp's q8_0 cache (`--kv-cache-dtype q8_0`, an int8 pool), head_dim int8 codes
+// followed by one float16 scale per 32 of them (head_dim + head_dim / 16 bytes; value = code * scale).
+template <typename cache_t>
+constexpr int64_t kv_row_elements(int64_t head_dim) {
+  return std::is_same_v<cache_t, int8_t> ? head_dim + head_dim / 16 : head_dim;
+}
+inline float q8_row_scale(const int8_t* row, int64_t head_dim, int64_t block) {
+  uint16_t bits;
+  std::memcpy(&bits, row + head_dim + 2 * block, sizeof(bits));
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+// Value d of a row.
+template <typename cache_t>
+inline float kv_value(const cache_t* row, int64_t head_dim, int64_t d) {
+  if constexpr (std::is_same_v<cache_t, int8_t>) {
+    return static_cast<float>(row[d]) * q8_row_scale(row, head_dim, d / 32);
+  } else {
+    return load_float(row + d);
+  }
+}
+inline float exact_reciprocal(float x) {
+#if defined(__AVX512F__)
+  return _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(1.0f), _mm_set_ss(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  return 1.0f / x;
+#endif
+}
+// A row stored from head_dim values of `src`: rounded to the pool's type, or quantized as llama.cpp's
+// quantize_row_q8_0 does (scale = max|x| / 127 per 32, codes = round(x / scale); the scale kept in float16).
+template <typename cache_t, typename scalar_t>
+inline void store_kv_row(cache_t* __restrict dst, const scalar_t* __restrict src, int64_t head_dim) {
+  if constexpr (std::is_same_v<cache_t, int8_t>) {
+    for (int64_t b = 0; b < head_dim / 32; ++b) {
+      float amax = 0.0f;
+      for (int64_t i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(load_float(src + b * 32 + i)));
+      // The PyTorch path (attention.kv_rows) must store the same bytes: times 1/127 rather than
+      // / 127 (-ffast-math may rewrite a division by a constant), and a true 1 / scale (under
+      // -ffast-math GCC computes it with an approximate reciprocal and a Newton step, 1 ulp off).
+      const float scale = amax * (1.0f / 127.0f), inverse = scale > 0.0f ? exact_reciprocal(scale) : 0.0f;
+      for (int64_t i = 0; i < 32; ++i)
+        dst[b * 32 + i] = static_cast<int8_t>(std::nearbyint(load_float(src + b * 32 + i) * inverse));
+      const uint16_t bits = c10::Half(scale).x;
+      std::memcpy(dst + head_dim + 2 * b, &bits, sizeof(bits));
+    }
+  } else if constexpr (std::is_same_v<cache_t, scalar_t>) {
+    std::memcpy(dst, src, head_dim * sizeof(cache_t));
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < head_dim; ++i) store_float(dst + i, static_cast<float>(src[i]));
+  }
+}
+#if defined(__AVX512F__)
+// Values 16j .. 16j + 15 of a row as floats.
+template <typename cache_t>
+inline __m512 kv_lanes(const cache_t* row, int64_t head_dim, int64_t j) {
+  if constexpr (std::is_same_v<cache_t, int8_t>) {
+    const __m512 codes =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j))));
+    return _mm512_mul_ps(codes, _mm512_set1_ps(q8_row_scale(row, head_dim, j / 2)));
+  } else {
+    return load16(row + 16 * j);
+  }
+}
+#endif
+
 // In place: one token's heads [heads, head_dim], adjacent pairs (x0, x1) rotated by the token's
 // angles, given as (cos, sin) per pair. Shared by the rotary kernel and the fused decode step, which
 // are fed the same (cos, sin), so that both paths rotate alike.
@@ -95,6 +163,7 @@ inline void rotate_heads(scalar_t* __restrict x, int64_t heads, int64_t head_dim
 // One sequence's decode attention over the paged pool (float32, bfloat16 or half storage): q
 // [heads, head_dim] (unscaled) -> out [heads, head_dim]. The buffers are scratch space reused
 // between calls.
+// (A q8_0 pool is int8_t here: see kv_row_elements.)
 template <typename cache_t>
 void paged_attention_sequence(const float* q, const cache_t* k_pool, const cache_t* v_pool, const int64_t* block_table,
                               int64_t context_len, int64_t heads, int64_t kv_heads, int64_t block_size,

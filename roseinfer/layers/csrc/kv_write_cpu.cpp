@@ -20,23 +20,20 @@ constexpr int64_t kTokensPerTask = 256;
 
 template <typename scalar_t, typename cache_t>
 void copy_rows(const scalar_t* __restrict src, int64_t token_stride, const int64_t* __restrict slots,
-               cache_t* __restrict pool, int64_t row_elements, int64_t begin, int64_t end) {
-  for (int64_t t = begin; t < end; ++t) {
-    const scalar_t* __restrict row = src + t * token_stride;
-    cache_t* __restrict dst = pool + slots[t] * row_elements;
-    if constexpr (std::is_same_v<scalar_t, cache_t>) {
-      std::copy(row, row + row_elements, dst);
-    } else {  // float32 rounded to a 16-bit pool
-#pragma omp simd
-      for (int64_t i = 0; i < row_elements; ++i) roseinfer::store_float(dst + i, static_cast<float>(row[i]));
-    }
-  }
+               cache_t* __restrict pool, int64_t kv_heads, int64_t head_dim, int64_t begin, int64_t end) {
+  const int64_t row = roseinfer::kv_row_elements<cache_t>(head_dim);
+  for (int64_t t = begin; t < end; ++t)
+    for (int64_t h = 0; h < kv_heads; ++h)
+      roseinfer::store_kv_row(pool + (slots[t] * kv_heads + h) * row, src + t * token_stride + h * head_dim, head_dim);
 }
 
 void check_rows(const torch::Tensor& x, const torch::Tensor& pool, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               name, " must be a CPU tensor [tokens, kv_heads, head_dim] with each token's heads contiguous");
-  TORCH_CHECK(x.size(1) == pool.size(3) && x.size(2) == pool.size(4), name, "'s heads do not match the pool's");
+  const bool q8_0 = pool.scalar_type() == torch::kChar;
+  TORCH_CHECK(!q8_0 || x.size(2) % 32 == 0, "a q8_0 KV pool needs a head size that is a multiple of 32");
+  const int64_t row = q8_0 ? roseinfer::kv_row_elements<int8_t>(x.size(2)) : x.size(2);
+  TORCH_CHECK(x.size(1) == pool.size(3) && row == pool.size(4), name, "'s heads do not match the pool's");
 }
 
 }  // namespace
@@ -44,7 +41,7 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& pool, const char* n
 // kv_cache: [2, blocks, block_size, kv_heads, head_dim] (keys, values), contiguous; slot_mapping:
 // [tokens] int64, each token's slot (block * block_size + offset); k, v: [tokens, kv_heads, head_dim],
 // tokens possibly strided (the k and v parts of a fused qkv output), of the model's dtype, which is
-// the pool's or float32 over a 16-bit pool.
+// the pool's, float32 over a 16-bit pool, or any over a q8_0 (int8) pool.
 void write_kv_(torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor k, torch::Tensor v) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim] tensor");
@@ -54,11 +51,12 @@ void write_kv_(torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor
   slot_mapping = slot_mapping.contiguous();
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == k.size(0),
               "slot_mapping must be int64, one slot per token");
-  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() || k.scalar_type() == torch::kFloat,
-              "a pool of another dtype than k and v: they must be float32");
-  const int64_t tokens = k.size(0), row = k.size(1) * k.size(2), pool_half = kv_cache.numel() / 2;
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() || k.scalar_type() == torch::kFloat ||
+                  kv_cache.scalar_type() == torch::kChar,
+              "a 16-bit pool of another dtype than k and v: they must be float32");
+  const int64_t tokens = k.size(0), kv_heads = k.size(1), head_dim = k.size(2), pool_half = kv_cache.numel() / 2;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t capacity = pool_half / row;
+  const int64_t capacity = kv_cache.size(1) * kv_cache.size(2);
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, "slot ", slots[t], " is outside the pool");
   auto store = [&](auto* pool) {
@@ -67,8 +65,8 @@ void write_kv_(torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor
       const scalar_t* keys = k.data_ptr<scalar_t>();
       const scalar_t* values = v.data_ptr<scalar_t>();
       at::parallel_for(0, tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
-        copy_rows<scalar_t, cache_t>(keys, k.stride(0), slots, pool, row, begin, end);
-        copy_rows<scalar_t, cache_t>(values, v.stride(0), slots, pool + pool_half, row, begin, end);
+        copy_rows<scalar_t, cache_t>(keys, k.stride(0), slots, pool, kv_heads, head_dim, begin, end);
+        copy_rows<scalar_t, cache_t>(values, v.stride(0), slots, pool + pool_half, kv_heads, head_dim, begin, end);
       });
     });
   };
@@ -77,6 +75,7 @@ void write_kv_(torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor
     case torch::kDouble: store(kv_cache.data_ptr<double>()); break;
     case torch::kBFloat16: store(kv_cache.data_ptr<c10::BFloat16>()); break;
     case torch::kHalf: store(kv_cache.data_ptr<c10::Half>()); break;
-    default: TORCH_CHECK(false, "the KV pool must be float32, float64, bfloat16 or float16");
+    case torch::kChar: store(kv_cache.data_ptr<int8_t>()); break;  // q8_0
+    default: TORCH_CHECK(false, "the KV pool must be float32, float64, bfloat16, float16 or int8 (q8_0)");
   }
 }

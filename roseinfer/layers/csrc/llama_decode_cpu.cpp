@@ -151,17 +151,16 @@ class LlamaDecoder {
         roseinfer::rotate_heads(q, heads_, D, rot + b * D);
         roseinfer::rotate_heads(k, kv_heads_, D, rot + b * D);
       }
-      // The pool is float32, or 16-bit with --kv-cache-dtype.
+      // The pool is float32, or 16-bit or q8_0 with --kv-cache-dtype.
       auto attend = [&](auto* pool) {
         using scalar_t = std::remove_pointer_t<decltype(pool)>;
         for (int64_t b = 0; b < B; ++b) {
           const float* k = qkv.data() + b * qkv_size + q_size;
           const float* v = k + kv_size;
-          scalar_t* k_slot = pool + slots[b] * kv_size;
-          scalar_t* v_slot = pool + pool_half + slots[b] * kv_size;
-          for (int64_t i = 0; i < kv_size; ++i) {
-            roseinfer::store_float(k_slot + i, k[i]);
-            roseinfer::store_float(v_slot + i, v[i]);
+          const int64_t row = roseinfer::kv_row_elements<scalar_t>(D);
+          for (int64_t h = 0; h < kv_heads_; ++h) {
+            roseinfer::store_kv_row(pool + (slots[b] * kv_heads_ + h) * row, k + h * D, D);
+            roseinfer::store_kv_row(pool + pool_half + (slots[b] * kv_heads_ + h) * row, v + h * D, D);
           }
         }
         at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
@@ -176,7 +175,8 @@ class LlamaDecoder {
         case torch::kFloat: attend(kv_caches[l].data_ptr<float>()); break;
         case torch::kBFloat16: attend(kv_caches[l].data_ptr<c10::BFloat16>()); break;
         case torch::kHalf: attend(kv_caches[l].data_ptr<c10::Half>()); break;
-        default: TORCH_CHECK(false, "the KV pool must be float32, bfloat16 or float16");
+        case torch::kChar: attend(kv_caches[l].data_ptr<int8_t>()); break;  // q8_0
+        default: TORCH_CHECK(false, "the KV pool must be float32, bfloat16, float16 or int8 (q8_0)");
       }
       layer.o.apply(attn.data(), B, out.data(), xsums);
       for (int64_t i = 0; i < B * H; ++i) residual[i] += out[i];

@@ -87,17 +87,18 @@ void decode_sequence(const scalar_t* __restrict q,      // [heads, head_dim]
   float* __restrict acc = work.data() + heads * head_dim;
   for (int64_t i = 0; i < heads * head_dim; ++i) qf[i] = roseinfer::load_float(q + i) * scale;
 
-  const int64_t token_stride = kv_heads * head_dim;
+  const int64_t row_elements = roseinfer::kv_row_elements<cache_t>(head_dim);
+  const int64_t token_stride = kv_heads * row_elements;
   auto slot_of = [&](int64_t t) { return block_table[t / block_size] * block_size + t % block_size; };
   for (int64_t t = 0; t < context_len; ++t) {
     const cache_t* __restrict row = k_pool + slot_of(t) * token_stride;
     if (t + kPrefetchDistance < context_len) prefetch_row(k_pool + slot_of(t + kPrefetchDistance) * token_stride, token_stride);
     for (int64_t head = 0; head < heads; ++head) {
-      const cache_t* __restrict k = row + (head / group) * head_dim;
+      const cache_t* __restrict k = row + (head / group) * row_elements;
       const float* __restrict qh = qf + head * head_dim;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * roseinfer::load_float(k + d);
+      for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * roseinfer::kv_value(k, head_dim, d);
       scores[head * context_len + t] = dot;
     }
   }
@@ -106,11 +107,11 @@ void decode_sequence(const scalar_t* __restrict q,      // [heads, head_dim]
     const cache_t* __restrict row = v_pool + slot_of(t) * token_stride;
     if (t + kPrefetchDistance < context_len) prefetch_row(v_pool + slot_of(t + kPrefetchDistance) * token_stride, token_stride);
     for (int64_t head = 0; head < heads; ++head) {
-      const cache_t* __restrict v = row + (head / group) * head_dim;
+      const cache_t* __restrict v = row + (head / group) * row_elements;
       const float p = scores[head * context_len + t];
       float* __restrict a = acc + head * head_dim;
 #pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) a[d] += p * roseinfer::load_float(v + d);
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += p * roseinfer::kv_value(v, head_dim, d);
     }
   }
   for (int64_t i = 0; i < heads * head_dim; ++i) roseinfer::store_float(out + i, acc[i]);
@@ -158,7 +159,7 @@ void accumulate_values(const cache_t* __restrict rows, int64_t t0, int64_t t1, i
     for (int i = 0; i < V; ++i) sums[h][i] = _mm512_loadu_ps(acc + h * HEAD_DIM + i * kLanes);
   for (int64_t t = t0; t < t1; ++t, rows += token_stride) {
     __m512 v[V];
-    for (int i = 0; i < V; ++i) v[i] = load16(rows + i * kLanes);
+    for (int i = 0; i < V; ++i) v[i] = roseinfer::kv_lanes(rows, HEAD_DIM, i);
     for (int h = 0; h < HEADS; ++h) {
       const __m512 p = _mm512_set1_ps(scores[h * scores_stride + t]);
       for (int i = 0; i < V; ++i) sums[h][i] = _mm512_fmadd_ps(p, v[i], sums[h][i]);
@@ -174,7 +175,8 @@ void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restr
                             int64_t context_len, int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
                             scalar_t* __restrict out, std::vector<float>& scores_buffer, std::vector<float>& work) {
   constexpr int V = HEAD_DIM / kLanes;
-  const int64_t group = heads / kv_heads, token_stride = kv_heads * HEAD_DIM;
+  constexpr int64_t ROW = roseinfer::kv_row_elements<cache_t>(HEAD_DIM);
+  const int64_t group = heads / kv_heads, token_stride = kv_heads * ROW;
   const int64_t padded = (context_len + kLanes - 1) / kLanes * kLanes;
   scores_buffer.resize(heads * padded);
   work.assign(heads * HEAD_DIM * 2 + heads * kLanes * kLanes, 0.0f);
@@ -198,7 +200,7 @@ void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restr
       if (block + 1 < blocks) prefetch_row(block_rows(k_pool, block + 1) + offset * token_stride, token_stride);
       if (++offset == block_size) offset = 0, ++block;
       for (int64_t kv = 0; kv < kv_heads; ++kv) {
-        const cache_t* __restrict key = row + kv * HEAD_DIM;
+        const cache_t* __restrict key = row + kv * ROW;
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
           // bfloat16 query and keys: 32 products a pair-wise dot instruction, summed in float.
@@ -214,7 +216,7 @@ void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restr
         }
 #endif
         __m512 k[V];
-        for (int j = 0; j < V; ++j) k[j] = load16(key + j * kLanes);
+        for (int j = 0; j < V; ++j) k[j] = roseinfer::kv_lanes(key, HEAD_DIM, j);
         for (int64_t head = kv * group; head < (kv + 1) * group; ++head) {
           const float* __restrict qh = qf + head * HEAD_DIM;
           __m512 dot = _mm512_mul_ps(k[0], _mm512_loadu_ps(qh));
@@ -236,7 +238,7 @@ void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restr
     if (b + 1 < blocks) prefetch_row(block_rows(v_pool, b + 1), block_elements);
     const int64_t t0 = b * block_size, t1 = std::min(context_len, t0 + block_size);
     for (int64_t kv = 0; kv < kv_heads; ++kv) {
-      const cache_t* rows = block_rows(v_pool, b) + kv * HEAD_DIM;
+      const cache_t* rows = block_rows(v_pool, b) + kv * ROW;
       for (int64_t first = kv * group; first < (kv + 1) * group; first += kMaxHeads) {
         const int64_t count = std::min<int64_t>(kMaxHeads, (kv + 1) * group - first);
         const float* s = scores + first * padded;
@@ -305,6 +307,9 @@ template void paged_attention_sequence<c10::BFloat16>(const float*, const c10::B
 template void paged_attention_sequence<c10::Half>(const float*, const c10::Half*, const c10::Half*, const int64_t*,
                                                   int64_t, int64_t, int64_t, int64_t, int64_t, float, float*,
                                                   std::vector<float>&, std::vector<float>&);
+template void paged_attention_sequence<int8_t>(const float*, const int8_t*, const int8_t*, const int64_t*, int64_t,
+                                               int64_t, int64_t, int64_t, int64_t, float, float*,
+                                               std::vector<float>&, std::vector<float>&);
 
 }  // namespace roseinfer
 
@@ -348,10 +353,19 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   const int64_t heads = q.size(1), head_dim = q.size(2), kv_heads = k_pool.size(2);
-  TORCH_CHECK(k_pool.size(3) == head_dim && heads % kv_heads == 0, "head counts do not match");
+  const bool q8_0 = k_pool.scalar_type() == torch::kChar;  // --kv-cache-dtype q8_0: see kv_row_elements
+  TORCH_CHECK(!q8_0 || head_dim % 32 == 0, "a q8_0 KV pool needs a head size that is a multiple of 32");
+  TORCH_CHECK(k_pool.size(3) == (q8_0 ? roseinfer::kv_row_elements<int8_t>(head_dim) : head_dim) &&
+                  heads % kv_heads == 0,
+              "head counts or sizes do not match");
   auto out = torch::empty({q.size(0), heads, head_dim}, q.options());
   const float scale_f = static_cast<float>(scale);
-  if (k_pool.scalar_type() == q.scalar_type()) {
+  if (q8_0) {
+    TORCH_CHECK(v_pool.scalar_type() == torch::kChar, "keys and values must share a dtype");
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+      decode_batch<scalar_t, int8_t>(q, k_pool, v_pool, block_tables, context_lens, scale_f, out);
+    });
+  } else if (k_pool.scalar_type() == q.scalar_type()) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
       decode_batch<scalar_t, scalar_t>(q, k_pool, v_pool, block_tables, context_lens, scale_f, out);
     });
