@@ -26,9 +26,10 @@ class WeightLoader:
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self._rows_loaded: dict[str, int] = {}
         self._on_module_loaded = on_module_loaded
-        self._waiting: dict[str, set[str]] = {}  # module name -> its parameters not yet complete
+        self._members: dict[str, list[str]] = {}  # module name -> its parameters
         for name in self.params:
-            self._waiting.setdefault(_module_of(name), set()).add(name)
+            self._members.setdefault(_module_of(name), []).append(name)
+        self._waiting = {module: set(names) for module, names in self._members.items()}  # not yet complete
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         param = self._param(name)
@@ -67,7 +68,7 @@ class WeightLoader:
         waiting.discard(name)
         if not waiting and self._on_module_loaded is not None:
             del self._waiting[module]
-            for done in [n for n in self.params if _module_of(n) == module]:
+            for done in self._members[module]:
                 del self.params[done]  # complete: nothing left to check, and the module may drop it
             self._on_module_loaded(module)
 

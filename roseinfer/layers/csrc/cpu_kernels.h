@@ -5,6 +5,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #if defined(__AVX512F__)
@@ -81,6 +82,11 @@ inline void store16<c10::Half>(c10::Half* p, __m512 v) {
 template <typename cache_t>
 constexpr int64_t kv_row_elements(int64_t head_dim) {
   return std::is_same_v<cache_t, int8_t> ? head_dim + head_dim / 16 : head_dim;
+}
+// The row length of a pool for heads of head_dim values (a q8_0 pool: int8).
+inline int64_t pool_row_elements(bool q8_0, int64_t head_dim) {
+  TORCH_CHECK(!q8_0 || head_dim % 32 == 0, "a q8_0 KV pool needs a head size that is a multiple of 32");
+  return q8_0 ? kv_row_elements<int8_t>(head_dim) : head_dim;
 }
 inline float q8_row_scale(const int8_t* row, int64_t head_dim, int64_t block) {
   uint16_t bits;

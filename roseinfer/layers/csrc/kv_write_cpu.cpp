@@ -30,9 +30,7 @@ void copy_rows(const scalar_t* __restrict src, int64_t token_stride, const int64
 void check_rows(const torch::Tensor& x, const torch::Tensor& pool, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               name, " must be a CPU tensor [tokens, kv_heads, head_dim] with each token's heads contiguous");
-  const bool q8_0 = pool.scalar_type() == torch::kChar;
-  TORCH_CHECK(!q8_0 || x.size(2) % 32 == 0, "a q8_0 KV pool needs a head size that is a multiple of 32");
-  const int64_t row = q8_0 ? roseinfer::kv_row_elements<int8_t>(x.size(2)) : x.size(2);
+  const int64_t row = roseinfer::pool_row_elements(pool.scalar_type() == torch::kChar, x.size(2));
   TORCH_CHECK(x.size(1) == pool.size(3) && row == pool.size(4), name, "'s heads do not match the pool's");
 }
 

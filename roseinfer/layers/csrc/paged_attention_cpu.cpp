@@ -354,9 +354,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   context_lens = context_lens.contiguous();
   const int64_t heads = q.size(1), head_dim = q.size(2), kv_heads = k_pool.size(2);
   const bool q8_0 = k_pool.scalar_type() == torch::kChar;  // --kv-cache-dtype q8_0: see kv_row_elements
-  TORCH_CHECK(!q8_0 || head_dim % 32 == 0, "a q8_0 KV pool needs a head size that is a multiple of 32");
-  TORCH_CHECK(k_pool.size(3) == (q8_0 ? roseinfer::kv_row_elements<int8_t>(head_dim) : head_dim) &&
-                  heads % kv_heads == 0,
+  TORCH_CHECK(k_pool.size(3) == roseinfer::pool_row_elements(q8_0, head_dim) && heads % kv_heads == 0,
               "head counts or sizes do not match");
   auto out = torch::empty({q.size(0), heads, head_dim}, q.options());
   const float scale_f = static_cast<float>(scale);

@@ -265,6 +265,15 @@ void q8_rows_vnni(const uint8_t* __restrict xq, const float* __restrict xd, cons
 }
 #endif
 
+// `count` 8-bit blocks (codes times their scale) as floats: the dequantized weight.
+inline void expand_q8_blocks(const int8_t* __restrict codes, const float* __restrict scales, int64_t count,
+                             float* __restrict out) {
+  for (int64_t i = 0; i < count; ++i) {
+#pragma omp simd
+    for (int j = 0; j < kBlock; ++j) out[i * kBlock + j] = scales[i] * static_cast<float>(codes[i * kBlock + j]);
+  }
+}
+
 #if defined(__AVX512F__)
 // Float activations against 8-bit blocks for many rows (the LM head at batch sizes): a matrix
 // product, not a dot product per output. The batch is transposed once (x^T, columns padded to
@@ -335,16 +344,7 @@ void q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* codes, const fl
       const int64_t first = p * kPanelRows, width = std::min<int64_t>(kPanelRows, N - first);
       for (int64_t n = 0; n < width; n += kWeightRows) {
         const int64_t rows = std::min<int64_t>(kWeightRows, width - n);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t b = 0; b < blocks; ++b) {
-            const int8_t* q = codes + (first + n + r) * K + b * kBlock;
-            const __m512 scale = _mm512_set1_ps(scales[(first + n + r) * blocks + b]);
-            for (int half = 0; half < 2; ++half) {
-              const __m512 v = _mm512_cvtepi32_ps(
-                  _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + half * 16))));
-              _mm512_storeu_ps(w.data() + r * K + b * kBlock + half * 16, _mm512_mul_ps(v, scale));
-            }
-          }
+        expand_q8_blocks(codes + (first + n) * K, scales + (first + n) * blocks, rows * blocks, w.data());
         float* t = tile.data();
         switch (rows) {
           case 1: q8_gemm_rows<1>(xtp, mpad, w.data(), K, M, n, kPanelRows, t); break;
@@ -529,10 +529,7 @@ torch::Tensor q8_dequantize(torch::Tensor codes, torch::Tensor scales) {
   const float* sp = scales.contiguous().data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N * blocks, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-#pragma omp simd
-      for (int j = 0; j < kBlock; ++j) op[i * kBlock + j] = sp[i] * static_cast<float>(cp[i * kBlock + j]);
-    }
+    expand_q8_blocks(cp + begin * kBlock, sp + begin, end - begin, op + begin * kBlock);
   });
   return out;
 }
