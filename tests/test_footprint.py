@@ -85,15 +85,27 @@ extra = {{}}
 
 
 def test_reading_a_gguf_file_leaves_its_pages_out_of_the_resident_set() -> None:
-    # every tensor of the default model read: file-backed RSS +1 MiB; it was +88 (the whole file
-    # stayed in the resident set, on top of the loaded weights, until the reader was dropped)
+    # every tensor of the default model read: the file's own mapping keeps ~0 MiB resident; it kept
+    # ~88 (the whole file stayed in the resident set, on top of the loaded weights, until the reader
+    # was dropped). Only the file's mapping is counted: first calls into torch and numpy fault in
+    # their libraries' code pages too (+1 MiB here, +36 on a machine with a cold page cache).
     figures = measure("""
 from roseinfer.models.default_model import default_model_path
 from roseinfer.models.gguf_file import GGUFFile
-gguf = GGUFFile(default_model_path())
-before = status("RssFile")
+def file_resident(path):
+    resident, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            inside = len(fields) >= 6 and fields[5] == path
+        elif inside and fields[0] == "Rss:":
+            resident += int(fields[1]) * 1024
+    return resident
+path = str(default_model_path().resolve())
+gguf = GGUFFile(path)
+before = file_resident(path)
 total = sum(gguf.load_tensor(name).numel() for name in gguf.tensor_names())
-extra = {"file_growth": status("RssFile") - before, "total": total}
+extra = {"file_growth": file_resident(path) - before, "total": total}
 """)
     assert figures["total"] > 100_000_000  # the whole model was read
-    assert figures["file_growth"] < 24 * MIB, f"the file's pages added {figures['file_growth'] / MIB:.0f} MiB"
+    assert figures["file_growth"] < 8 * MIB, f"the file's pages added {figures['file_growth'] / MIB:.0f} MiB"
