@@ -19,16 +19,17 @@ def kernel(kernels):
     return kernels.paged_decode_attention
 
 
-def random_step(heads: int, kv_heads: int, head_dim: int, lengths: list[int], dtype: torch.dtype):
+def random_step(heads: int, kv_heads: int, head_dim: int, lengths: list[int], dtype: torch.dtype,
+                block_size: int = BLOCK_SIZE):
     generator = torch.Generator().manual_seed(0)
     num_blocks = 64
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(dtype)
-    max_blocks = -(-max(lengths) // BLOCK_SIZE)
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype)
+    max_blocks = -(-max(lengths) // block_size)
     order = torch.randperm(num_blocks, generator=generator)
     tables = torch.zeros(len(lengths), max_blocks, dtype=torch.long)
     used = 0
     for row, length in enumerate(lengths):
-        count = -(-length // BLOCK_SIZE)
+        count = -(-length // block_size)
         tables[row, :count] = order[used : used + count]
         used += count
     q = torch.randn(len(lengths), heads, head_dim, generator=generator).to(dtype)
@@ -39,11 +40,12 @@ def random_step(heads: int, kv_heads: int, head_dim: int, lengths: list[int], dt
     ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 48), (16, 2, 64)]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_the_pytorch_path(kernel, heads, kv_heads, head_dim, dtype):
+@pytest.mark.parametrize("block_size", [16, 5, 32])  # 5: each block ends in an unpaired token (bfloat16)
+def test_kernel_matches_the_pytorch_path(kernel, heads, kv_heads, head_dim, dtype, block_size):
     lengths = [1, 15, 16, 17, 100, 33]
-    q, kv_cache, tables, lens = random_step(heads, kv_heads, head_dim, lengths, dtype)
+    q, kv_cache, tables, lens = random_step(heads, kv_heads, head_dim, lengths, dtype, block_size)
     attention = PagedAttention(heads, kv_heads, head_dim, head_dim**-0.5)
-    positions = torch.arange(tables.shape[1] * BLOCK_SIZE)
+    positions = torch.arange(tables.shape[1] * block_size)
     torch_meta = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(lengths),
         decode_block_tables=tables, decode_context_lens=lens,

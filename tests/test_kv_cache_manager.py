@@ -153,3 +153,35 @@ def test_allocation_fails_cleanly_when_the_pool_is_exhausted():
 def test_pool_rejects_an_empty_pool():
     with pytest.raises(ValueError, match="at least one block"):
         KVCacheManager(num_blocks=0, block_size=16)
+
+
+def test_requests_decoding_together_keep_their_blocks_adjacent():
+    """8 requests prefilled one after another, then growing a token per step together: each one's
+    blocks stay a run of consecutive ids (memory the decode kernel streams through); handed out in
+    queue order they interleaved (request r's j-th block was 8 j + r)."""
+    manager = KVCacheManager(num_blocks=256, block_size=4, enable_prefix_caching=False)
+    lengths = dict.fromkeys(range(8), 10)
+    for request_id, length in lengths.items():
+        assert manager.allocate_slots(request_id, 0, length)
+    for _ in range(40):
+        for request_id in lengths:
+            assert manager.allocate_slots(request_id, lengths[request_id], 1)
+            lengths[request_id] += 1
+    for request_id in lengths:
+        table = manager.block_table(request_id)
+        assert len(table) == 13 and table == list(range(table[0], table[0] + 13)), table
+    manager.check_invariants()
+
+
+def test_a_freed_cached_block_is_evicted_only_when_no_uncached_block_is_free():
+    manager = KVCacheManager(num_blocks=4, block_size=2)
+    assert manager.allocate_slots(0, 0, 4)  # two full blocks
+    manager.cache_computed_blocks(0, [1, 2, 3, 4], 4)
+    cached = manager.block_table(0)
+    manager.free(0)
+    assert manager.allocate_slots(1, 0, 4)  # the two never-used blocks, not the cached ones
+    assert set(manager.block_table(1)).isdisjoint(cached)
+    assert manager.find_cached_prefix([1, 2, 3, 4, 5]) == cached
+    assert manager.allocate_slots(2, 0, 1)  # now one cached block must go
+    assert len(manager.find_cached_prefix([1, 2, 3, 4, 5])) < 2
+    manager.check_invariants()

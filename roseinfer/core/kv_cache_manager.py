@@ -13,6 +13,13 @@ when it is handed out again.
 The K/V of a token depend only on the model and the tokens before it, so the token ids are all a
 key needs here (no adapters or images change K/V in this engine).
 
+Placement. Decode attention reads each request's blocks in order, and memory streams far faster
+through adjacent blocks than through scattered ones (the hardware prefetcher follows a stream, not
+a block table): a request's next block is the one after its last when that one is free and
+uncached; a request's first block starts the middle of the longest run of such blocks, leaving
+the first half of the run to the request before it to grow into. Which uncached block is handed
+out never changes what the prefix cache keeps (see the free queue above).
+
 Invariants (checked by `check_invariants`, exercised by a property test):
   * a block's reference count equals the number of block tables that hold it;
   * a block is in the free queue exactly when its reference count is zero;
@@ -26,6 +33,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key or 0, token ids)
 
@@ -57,17 +66,23 @@ class BlockPool:
         # Handed out from the front. Uncached blocks are put at the front, cached ones at the back,
         # so a cached block is evicted only when no uncached one is left, oldest release first.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._open = np.ones(num_blocks, dtype=bool)  # free and uncached: any may be handed out next
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self, count: int) -> list[int]:
+    def allocate(self, count: int, after: int | None = None) -> list[int]:
+        """`count` blocks for a table whose last block is `after` (None: a table of its own
+        blocks starts here), placed after it where they are free (see Placement above)."""
         if count > len(self._free):
             raise RuntimeError(f"asked for {count} KV blocks, only {len(self._free)} free")
         blocks = []
         for _ in range(count):
-            block, _ = self._free.popitem(last=False)
+            block = self._next_block(after)
+            del self._free[block]
+            self._open[block] = False
+            after = block
             key = self.keys[block]
             if key is not None:  # evicted: its key must not lead anyone to its new contents
                 del self.cached[key]
@@ -75,6 +90,17 @@ class BlockPool:
             self.ref_counts[block] = 1
             blocks.append(block)
         return blocks
+
+    def _next_block(self, after: int | None) -> int:
+        if after is not None and after + 1 < self.num_blocks and self._open[after + 1]:
+            return after + 1
+        if not self._open.any():
+            return next(iter(self._free))  # only cached blocks are free: evict the oldest release
+        edges = np.diff(self._open.astype(np.int8), prepend=0, append=0)
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        longest = int(np.argmax(ends - starts))
+        start, end = int(starts[longest]), int(ends[longest])
+        return start if start == 0 else (start + end) // 2
 
     def incref(self, blocks: Sequence[int]) -> None:
         for block in blocks:
@@ -93,6 +119,7 @@ class BlockPool:
                 self._free[block] = None
                 if self.keys[block] is None:
                     self._free.move_to_end(block, last=False)
+                    self._open[block] = True
 
     def register(self, block: int, key: BlockKey) -> None:
         """Make a computed, full block findable under `key` (unless another block already is)."""
@@ -209,13 +236,13 @@ class KVCacheManager:
             table = list(cached_blocks)
         self.block_tables[request_id] = table
         if cow:
-            (copy,) = self.pool.allocate(1)
+            (copy,) = self.pool.allocate(1, after=table[first - 1] if first else None)
             self._pending_copies.append(BlockCopy(src=table[first], dst=copy))
             self.pool.decref([table[first]])
             table[first] = copy
             del self._keys.get(request_id, [])[first:]  # the copy is written to: not a cached block
         if needed:
-            table.extend(self.pool.allocate(needed))
+            table.extend(self.pool.allocate(needed, after=table[-1] if table else None))
         return True
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -273,3 +300,5 @@ class KVCacheManager:
             raise AssertionError("a cache entry points to a block that carries another key")
         if sum(key is not None for key in pool.keys) != len(pool.cached):
             raise AssertionError("a block carries a key that the cache does not map to it")
+        if pool._open.tolist() != [count == 0 and key is None for count, key in zip(expected, pool.keys, strict=True)]:
+            raise AssertionError("the open-block map differs from the free, uncached blocks")

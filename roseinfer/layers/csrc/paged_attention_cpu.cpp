@@ -169,6 +169,52 @@ void accumulate_values(const cache_t* __restrict rows, int64_t t0, int64_t t1, i
     for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc + h * HEAD_DIM + i * kLanes, sums[h][i]);
 }
 
+#if defined(__AVX512BF16__)
+// The same sum for a bfloat16 model over a bfloat16 cache, two tokens per instruction: rows t and
+// t + 1 are interleaved element by element into (v_t[d], v_t+1[d]) pairs and multiplied pair-wise
+// by (p_t, p_t+1) rounded to bfloat16, as flash attention rounds its probabilities before the
+// value product. Half the multiply-adds and no widening of the values; sums stay in float.
+// Lanes come out of the interleave permuted; they are put back in order once, at the end.
+template <int HEAD_DIM, int HEADS>
+void accumulate_values_pairwise(const c10::BFloat16* __restrict rows, int64_t t0, int64_t t1, int64_t token_stride,
+                                const float* __restrict scores, int64_t scores_stride, float* __restrict acc) {
+  constexpr int C = HEAD_DIM / (2 * kLanes);  // 32-value chunks of a row
+  __m512 lo[HEADS][C], hi[HEADS][C];  // lane 4L+i: value 8L+i (lo) or 8L+4+i (hi) of chunk c
+  for (int h = 0; h < HEADS; ++h)
+    for (int c = 0; c < C; ++c) lo[h][c] = hi[h][c] = _mm512_setzero_ps();
+  for (int64_t start = t0; start < t1; start += kLanes) {  // pairs of up to 16 tokens' probabilities at a time
+    const int64_t count = std::min<int64_t>(kLanes, t1 - start);
+    alignas(64) uint32_t pairs[HEADS][kLanes / 2];  // (p_t, p_t+1) in bfloat16
+    for (int h = 0; h < HEADS; ++h) {
+      const __m512 p = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1), scores + h * scores_stride + start);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[h]), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    for (int64_t t = 0; t < count; t += 2, rows += 2 * token_stride) {
+      const bool pair = t + 1 < count;  // an odd last token pairs with zeros (its partner's p is 0)
+      for (int c = 0; c < C; ++c) {
+        const __m512i a = _mm512_loadu_si512(rows + c * 2 * kLanes);
+        const __m512i b = pair ? _mm512_loadu_si512(rows + token_stride + c * 2 * kLanes) : _mm512_setzero_si512();
+        const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(a, b), high = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int h = 0; h < HEADS; ++h) {
+          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[h][t / 2]));
+          lo[h][c] = _mm512_dpbf16_ps(lo[h][c], low, p);
+          hi[h][c] = _mm512_dpbf16_ps(hi[h][c], high, p);
+        }
+      }
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int h = 0; h < HEADS; ++h)
+    for (int c = 0; c < C; ++c) {
+      float* a = acc + h * HEAD_DIM + c * 2 * kLanes;
+      _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_permutex2var_ps(lo[h][c], first, hi[h][c])));
+      _mm512_storeu_ps(a + kLanes,
+                       _mm512_add_ps(_mm512_loadu_ps(a + kLanes), _mm512_permutex2var_ps(lo[h][c], second, hi[h][c])));
+    }
+}
+#endif
+
 template <typename scalar_t, typename cache_t, int HEAD_DIM>
 void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restrict k_pool,
                             const cache_t* __restrict v_pool, const int64_t* __restrict block_table,
@@ -243,6 +289,17 @@ void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restr
         const int64_t count = std::min<int64_t>(kMaxHeads, (kv + 1) * group - first);
         const float* s = scores + first * padded;
         float* a = acc + first * HEAD_DIM;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
+          switch (count) {
+            case 1: accumulate_values_pairwise<HEAD_DIM, 1>(rows, t0, t1, token_stride, s, padded, a); break;
+            case 2: accumulate_values_pairwise<HEAD_DIM, 2>(rows, t0, t1, token_stride, s, padded, a); break;
+            case 3: accumulate_values_pairwise<HEAD_DIM, 3>(rows, t0, t1, token_stride, s, padded, a); break;
+            default: accumulate_values_pairwise<HEAD_DIM, kMaxHeads>(rows, t0, t1, token_stride, s, padded, a); break;
+          }
+          continue;
+        }
+#endif
         switch (count) {
           case 1: accumulate_values<cache_t, HEAD_DIM, 1>(rows, t0, t1, token_stride, s, padded, a); break;
           case 2: accumulate_values<cache_t, HEAD_DIM, 2>(rows, t0, t1, token_stride, s, padded, a); break;
