@@ -159,7 +159,7 @@ def test_requests_decoding_together_keep_their_blocks_adjacent():
     """8 requests prefilled one after another, then growing a token per step together: each one's
     blocks stay a run of consecutive ids (memory the decode kernel streams through); handed out in
     queue order they interleaved (request r's j-th block was 8 j + r)."""
-    manager = KVCacheManager(num_blocks=256, block_size=4, enable_prefix_caching=False)
+    manager = KVCacheManager(num_blocks=256, block_size=4, enable_prefix_caching=False, max_num_seqs=16)
     lengths = dict.fromkeys(range(8), 10)
     for request_id, length in lengths.items():
         assert manager.allocate_slots(request_id, 0, length)
@@ -184,4 +184,17 @@ def test_a_freed_cached_block_is_evicted_only_when_no_uncached_block_is_free():
     assert manager.find_cached_prefix([1, 2, 3, 4, 5]) == cached
     assert manager.allocate_slots(2, 0, 1)  # now one cached block must go
     assert len(manager.find_cached_prefix([1, 2, 3, 4, 5])) < 2
+    manager.check_invariants()
+
+
+def test_lanes_are_reused_lowest_first():
+    """A request that follows a finished one starts in the lowest free lane: the pool's memory in
+    use stays at the front instead of creeping over the whole (lazily committed) pool."""
+    manager = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=False, max_num_seqs=4)
+    for request_id in range(3):
+        assert manager.allocate_slots(request_id, 0, 8)
+    assert [manager.block_table(r) for r in range(3)] == [[0, 1], [16, 17], [32, 33]]
+    manager.free(1)
+    assert manager.allocate_slots(3, 0, 8)
+    assert manager.block_table(3) == [16, 17]
     manager.check_invariants()

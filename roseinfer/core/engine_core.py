@@ -41,7 +41,9 @@ class EngineCore:
         self.timings = StepTimings()
         started = time.perf_counter()
         self.executor = executor or executor_class(config)(config, model_config, self.timings)
-        self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.max_num_seqs
+        )
         self.structured_output_manager = StructuredOutputManager(config, model_config)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.structured_output_manager,

@@ -15,10 +15,12 @@ key needs here (no adapters or images change K/V in this engine).
 
 Placement. Decode attention reads each request's blocks in order, and memory streams far faster
 through adjacent blocks than through scattered ones (the hardware prefetcher follows a stream, not
-a block table): a request's next block is the one after its last when that one is free and
-uncached; a request's first block starts the middle of the longest run of such blocks, leaving
-the first half of the run to the request before it to grow into. Which uncached block is handed
-out never changes what the prefix cache keeps (see the free queue above).
+a block table). The pool is cut into one lane per sequence the scheduler may run at once: a
+request starts at the first free lane and its next block is the one after its last while that
+one is free and uncached, so requests decoding side by side each keep a run of adjacent blocks.
+Lanes are reused lowest first, so memory that was never written stays untouched (the pool is
+committed lazily, see the model runner). Which uncached block is handed out never changes what
+the prefix cache keeps (see the free queue above).
 
 Invariants (checked by `check_invariants`, exercised by a property test):
   * a block's reference count equals the number of block tables that hold it;
@@ -56,10 +58,11 @@ class PrefixCacheStats:
 class BlockPool:
     """Block ids with reference counts, a free queue and the prefix cache's key -> block map."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, lanes: int = 1) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.lane_size = max(1, num_blocks // max(1, lanes))
         self.ref_counts = [0] * num_blocks
         self.keys: list[BlockKey | None] = [None] * num_blocks
         self.cached: dict[BlockKey, int] = {}
@@ -94,13 +97,12 @@ class BlockPool:
     def _next_block(self, after: int | None) -> int:
         if after is not None and after + 1 < self.num_blocks and self._open[after + 1]:
             return after + 1
-        if not self._open.any():
-            return next(iter(self._free))  # only cached blocks are free: evict the oldest release
-        edges = np.diff(self._open.astype(np.int8), prepend=0, append=0)
-        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-        longest = int(np.argmax(ends - starts))
-        start, end = int(starts[longest]), int(ends[longest])
-        return start if start == 0 else (start + end) // 2
+        lane_starts = self._open[:: self.lane_size]
+        if lane_starts.any():
+            return int(np.argmax(lane_starts)) * self.lane_size
+        if self._open.any():
+            return int(np.argmax(self._open))
+        return next(iter(self._free))  # only cached blocks are free: evict the oldest release
 
     def incref(self, blocks: Sequence[int]) -> None:
         for block in blocks:
@@ -137,10 +139,10 @@ class BlockPool:
 class KVCacheManager:
     """Block tables for requests, backed by one `BlockPool`."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, max_num_seqs: int = 1) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, lanes=max_num_seqs)
         self.block_tables: dict[int, list[int]] = {}
         self.prefix_stats = PrefixCacheStats()
         self._keys: dict[int, list[BlockKey]] = {}  # per request: keys of its full, computed blocks
