@@ -66,10 +66,10 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self.keys: list[BlockKey | None] = [None] * num_blocks
         self.cached: dict[BlockKey, int] = {}
-        # Handed out from the front. Uncached blocks are put at the front, cached ones at the back,
-        # so a cached block is evicted only when no uncached one is left, oldest release first.
+        # Every free block, cached ones in release order. Free uncached blocks (`_open`) are handed
+        # out first, by placement; a cached block is evicted only when none is left, oldest first.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._open = np.ones(num_blocks, dtype=bool)  # free and uncached: any may be handed out next
+        self._open = np.ones(num_blocks, dtype=bool)
 
     @property
     def num_free(self) -> int:
@@ -102,7 +102,7 @@ class BlockPool:
             return int(np.argmax(lane_starts)) * self.lane_size
         if self._open.any():
             return int(np.argmax(self._open))
-        return next(iter(self._free))  # only cached blocks are free: evict the oldest release
+        return next(iter(self._free))  # only cached blocks are free: the oldest release
 
     def incref(self, blocks: Sequence[int]) -> None:
         for block in blocks:
@@ -119,9 +119,7 @@ class BlockPool:
             self.ref_counts[block] = count
             if count == 0:
                 self._free[block] = None
-                if self.keys[block] is None:
-                    self._free.move_to_end(block, last=False)
-                    self._open[block] = True
+                self._open[block] = self.keys[block] is None
 
     def register(self, block: int, key: BlockKey) -> None:
         """Make a computed, full block findable under `key` (unless another block already is)."""
