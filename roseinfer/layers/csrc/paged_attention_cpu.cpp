@@ -289,22 +289,21 @@ void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restr
         const int64_t count = std::min<int64_t>(kMaxHeads, (kv + 1) * group - first);
         const float* s = scores + first * padded;
         float* a = acc + first * HEAD_DIM;
+        auto sum = [&](auto heads_constant) {
+          constexpr int HEADS = decltype(heads_constant)::value;
 #if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
-          switch (count) {
-            case 1: accumulate_values_pairwise<HEAD_DIM, 1>(rows, t0, t1, token_stride, s, padded, a); break;
-            case 2: accumulate_values_pairwise<HEAD_DIM, 2>(rows, t0, t1, token_stride, s, padded, a); break;
-            case 3: accumulate_values_pairwise<HEAD_DIM, 3>(rows, t0, t1, token_stride, s, padded, a); break;
-            default: accumulate_values_pairwise<HEAD_DIM, kMaxHeads>(rows, t0, t1, token_stride, s, padded, a); break;
+          if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
+            accumulate_values_pairwise<HEAD_DIM, HEADS>(rows, t0, t1, token_stride, s, padded, a);
+            return;
           }
-          continue;
-        }
 #endif
+          accumulate_values<cache_t, HEAD_DIM, HEADS>(rows, t0, t1, token_stride, s, padded, a);
+        };
         switch (count) {
-          case 1: accumulate_values<cache_t, HEAD_DIM, 1>(rows, t0, t1, token_stride, s, padded, a); break;
-          case 2: accumulate_values<cache_t, HEAD_DIM, 2>(rows, t0, t1, token_stride, s, padded, a); break;
-          case 3: accumulate_values<cache_t, HEAD_DIM, 3>(rows, t0, t1, token_stride, s, padded, a); break;
-          default: accumulate_values<cache_t, HEAD_DIM, kMaxHeads>(rows, t0, t1, token_stride, s, padded, a); break;
+          case 1: sum(std::integral_constant<int, 1>{}); break;
+          case 2: sum(std::integral_constant<int, 2>{}); break;
+          case 3: sum(std::integral_constant<int, 3>{}); break;
+          default: sum(std::integral_constant<int, kMaxHeads>{}); break;
         }
       }
     }
