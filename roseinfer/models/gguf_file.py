@@ -92,6 +92,7 @@ class GGUFFile:
 
 
 _MADV_DONTNEED = 4  # Linux
+_RELEASE_SPAN = 2 * 1024 * 1024  # the largest page-cache folio a read fault maps at once (x86-64)
 
 
 def _release_mapped_pages(view: np.ndarray) -> None:
@@ -106,9 +107,13 @@ def _release_mapped_pages(view: np.ndarray) -> None:
         base = getattr(base, "base", None)
     if not isinstance(base, np.memmap) or base.mode != "r" or view.nbytes == 0:
         return  # a private or writable mapping's pages are the only copy of its contents
-    start = view.ctypes.data
-    aligned = start - start % mmap.PAGESIZE
-    _libc().madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(start + view.nbytes - aligned), _MADV_DONTNEED)
+    # Widened to the 2 MiB around it (within the map): a read fault maps the page cache's whole
+    # folio (up to 2 MiB), so reading this tensor's first pages also mapped the previous one's last
+    # pages, after they had been released (~7.5 MiB left over across the default model's tensors).
+    # Releasing pages of a tensor not read yet is harmless: its read maps them again.
+    start = max(view.ctypes.data // _RELEASE_SPAN * _RELEASE_SPAN, base.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE)
+    end = min(-(-(view.ctypes.data + view.nbytes) // _RELEASE_SPAN) * _RELEASE_SPAN, base.ctypes.data + base.nbytes)
+    _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
 
 
 @functools.cache
