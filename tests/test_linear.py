@@ -11,8 +11,8 @@ from torch import nn
 from roseinfer import InferenceEngine, InvalidRequestError
 from roseinfer.layers.cpu_kernels import cpu_kernels
 from roseinfer.layers.linear import (
-    BF16PanelLinear,
     BlockQuantLinear,
+    PanelLinear,
     PrepackedLinear,
     float_linear,
     prepare_linear_layers,
@@ -45,37 +45,40 @@ def test_prepacked_equals_f_linear(rows):
     assert relative_error(PrepackedLinear(linear)(x), F.linear(x, linear.weight, linear.bias)) < 1e-5
 
 
-needs_panel_kernel = pytest.mark.skipif(
-    cpu_kernels() is None or not cpu_kernels().bf16_panel_gemm(),
-    reason="the bfloat16 panel kernel is built on CPUs with AVX512-BF16 and no AMX only",
-)
+def panel_dtypes() -> list[str]:
+    kernels = cpu_kernels()
+    return [] if kernels is None else kernels.panel_linear_dtypes()
 
 
-@needs_panel_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 64, 300])
 @pytest.mark.parametrize(("out_features", "in_features", "bias"), [(96, 128, True), (70, 62, False), (960, 576, True)])
-def test_bf16_panel_kernel_against_float64(rows, out_features, in_features, bias):
-    """Each output is the exact sum of bfloat16 products rounded once to bfloat16: within half a
-    bfloat16 step of the float64 result, plus float32 summation error. Shapes cover partial row
-    tiles (7, 9, 300 = a pass of 256 and 44), a partial last panel (70, 96 = 48 x 2, 960 = 48 x 20)
-    and more passes than one."""
-    linear = random_linear(out_features, in_features, bias).to(torch.bfloat16)
+def test_panel_kernel_against_float64(dtype, rows, out_features, in_features, bias):
+    """float32: within float32 summation error of the float64 result. bfloat16: each output is the
+    exact sum of bfloat16 products rounded once to bfloat16, so within half a bfloat16 step of the
+    float64 result plus float32 summation error. Shapes cover partial row tiles (7, 9, 300 = a pass
+    of 256 and 44), a partial last panel (70; 96 = 48 x 2, 960 = 48 x 20) and more passes than one."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in panel_dtypes():
+        pytest.skip(f"this CPU's build has no {name} panel kernel (it is built where AVX-512 exists without AMX)")
+    linear = random_linear(out_features, in_features, bias).to(dtype)
     layer = float_linear(linear)
-    assert isinstance(layer, BF16PanelLinear)
-    x = torch.randn(2, rows, in_features).to(torch.bfloat16)  # leading dimensions are kept
+    assert isinstance(layer, PanelLinear)
+    x = torch.randn(2, rows, in_features).to(dtype)  # leading dimensions are kept
     out = layer(x)
-    assert out.shape == (2, rows, out_features) and out.dtype == torch.bfloat16
+    assert out.shape == (2, rows, out_features) and out.dtype == dtype
     weight = linear.weight.double()
     exact = x.double() @ weight.T + (linear.bias.double() if bias else 0)
     magnitude = x.double().abs() @ weight.abs().T
-    bound = exact.abs() * 2.0**-8 + magnitude * 2.0**-20
-    assert ((out.double() - exact).abs() <= bound).all()
+    rounding = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-23
+    assert ((out.double() - exact).abs() <= exact.abs() * rounding + magnitude * 2.0**-16).all()
 
 
-def test_float_linear_keeps_onednn_for_float32_and_odd_inputs():
-    assert type(float_linear(random_linear())) is PrepackedLinear
-    odd = random_linear(32, 63).to(torch.bfloat16)
+def test_float_linear_keeps_onednn_where_the_panel_kernel_does_not_apply():
+    odd = random_linear(32, 63).to(torch.bfloat16)  # bfloat16 steps by pairs of inputs
     assert type(float_linear(odd)) is PrepackedLinear
+    expected = PanelLinear if "float32" in panel_dtypes() else PrepackedLinear
+    assert type(float_linear(random_linear())) is expected
 
 
 def blocks_of(linear: nn.Linear, bits: int) -> torch.Tensor:
@@ -201,7 +204,10 @@ def test_tiny_llama_per_kernel_against_transformers(quantization, tmp_path):
     quantized_activations = quantization != "none" and kernels is not None and kernels.quantizes_activations()
     tolerance = 0.1 if quantized_activations else 1e-3
     kinds = {type(m).__name__ for m in engine.model.modules()}
-    expected = "PrepackedLinear" if quantization == "none" else "BlockQuantLinear"
+    if quantization != "none":
+        expected = "BlockQuantLinear"
+    else:
+        expected = "PanelLinear" if "float32" in panel_dtypes() else "PrepackedLinear"
     assert expected in kinds and "Linear" not in kinds
     reference = with_dequantized_weights(reference, quantization)
     worst = compare_logits_step_by_step(engine, reference, [[5, 9, 30, 31, 200], [7] * 20], 4)
@@ -215,9 +221,8 @@ def test_tiny_llama_in_bfloat16_against_transformers(tmp_path):
     either kernel, against logits spread about 0.8."""
     reference = tiny_hf_model("llama", tmp_path / "llama")
     engine = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=32, dtype="bfloat16")
-    kernels = cpu_kernels()
-    panel_kernel = kernels is not None and kernels.bf16_panel_gemm()
     kinds = {type(m).__name__ for m in engine.model.modules()}
-    assert ("BF16PanelLinear" if panel_kernel else "PrepackedLinear") in kinds and "Linear" not in kinds
+    expected = "PanelLinear" if "bfloat16" in panel_dtypes() else "PrepackedLinear"
+    assert expected in kinds and "Linear" not in kinds
     worst = compare_logits_step_by_step(engine, reference.to(torch.bfloat16).float(), [[5, 9, 30, 31, 200], [7] * 20], 4)
     assert worst < 0.06, f"max |logit difference| {worst}"

@@ -5,10 +5,10 @@ then swaps every one of them for the kernel that suits the device and `--quantiz
 
   none          CUDA: `F.linear`. CPU: oneDNN with the weight prepacked once into its blocked layout
                 (the plain BLAS path repacks the weight on every call; prepacking is 1.2-1.8x faster
-                at 4-64 rows here), same precision as the model's dtype. bfloat16 weights on CPUs
-                with AVX512-BF16 but no AMX run roseinfer's panel kernel instead
-                (`BF16PanelLinear`, csrc/bf16_linear_cpu.cpp): 1.1-1.4x oneDNN at 16-128 rows and
-                ~2x at one row there; with AMX, oneDNN's AMX kernels are far faster.
+                at 4-64 rows here), same precision as the model's dtype. On CPUs with AVX-512 but
+                no AMX (AMD Zen 4/5), float32 and bfloat16 (with AVX512-BF16) weights run
+                roseinfer's panel kernel instead (`PanelLinear`, csrc/panel_linear_cpu.cpp):
+                1.1-1.4x oneDNN at 16-128 rows, 1.3-3x at one row; with AMX, oneDNN is kept.
   int8          weight-only 8-bit blocks of 32 along the input with a scale each (GGUF's Q8_0).
   int4          weight-only 4-bit blocks of 32 with a scale and a minimum each (GGUF's Q4_1; for
                 Q4_0/Q4_1 files these are the file's own codes), and the LM head, the layer most
@@ -56,27 +56,27 @@ class PrepackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-class BF16PanelLinear(nn.Module):
-    """A bfloat16 linear layer with its weight packed once into the panel kernel's layout (CPUs
-    with AVX512-BF16 dot products and no AMX; see csrc/bf16_linear_cpu.cpp)."""
+class PanelLinear(nn.Module):
+    """A float32 or bfloat16 linear layer with its weight packed once into the panel kernel's
+    layout (CPUs with AVX-512 and no AMX; see csrc/panel_linear_cpu.cpp)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         kernels = cpu_kernels()
         assert kernels is not None
-        self._linear = kernels.bf16_panel_linear
-        self.register_buffer("panels", kernels.bf16_pack_panels(linear.weight.detach()))
+        self._linear = kernels.panel_linear
+        self.register_buffer("panels", kernels.pack_panels(linear.weight.detach()))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     @staticmethod
     def suits(linear: nn.Linear) -> bool:
         kernels = cpu_kernels()
+        dtype = linear.weight.dtype
         return (
-            linear.weight.dtype == torch.bfloat16
-            and linear.in_features % 2 == 0
-            and kernels is not None
-            and kernels.bf16_panel_gemm()
+            kernels is not None
+            and str(dtype).removeprefix("torch.") in kernels.panel_linear_dtypes()
+            and (dtype == torch.float32 or linear.in_features % 2 == 0)  # bfloat16 steps by pairs
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +85,7 @@ class BF16PanelLinear(nn.Module):
 
 def float_linear(linear: nn.Linear) -> nn.Module:
     """`--quantization none` on the CPU: the panel kernel where it suits, else oneDNN."""
-    return BF16PanelLinear(linear) if BF16PanelLinear.suits(linear) else PrepackedLinear(linear)
+    return PanelLinear(linear) if PanelLinear.suits(linear) else PrepackedLinear(linear)
 
 
 ROWS_PER_RUN = 4096  # weight rows converted at once (~10 MB of float32 at 576 columns)

@@ -17,7 +17,7 @@ from torch import nn
 from roseinfer.config import ModelConfig
 from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.layers.cpu_kernels import cpu_kernels
-from roseinfer.layers.linear import BF16PanelLinear, BlockQuantLinear, PrepackedLinear
+from roseinfer.layers.linear import BlockQuantLinear, PanelLinear, PrepackedLinear
 from roseinfer.layers.rotary import RotaryEmbedding
 
 MAX_BATCH = 16  # past this the op-by-op forward's dispatch cost is small beside its arithmetic
@@ -81,4 +81,4 @@ class FusedDecoder:
 
 
 def _is_projection(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear | BlockQuantLinear | PrepackedLinear | BF16PanelLinear)
+    return isinstance(module, nn.Linear | BlockQuantLinear | PrepackedLinear | PanelLinear)

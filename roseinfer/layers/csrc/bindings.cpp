@@ -17,9 +17,9 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 void bind_llama_decoder(pybind11::module& m);
 bool quantizes_activations();
 bool q8_float_gemm();
-bool bf16_panel_gemm();
-torch::Tensor bf16_pack_panels(torch::Tensor weight);
-torch::Tensor bf16_panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N);
+std::vector<std::string> panel_linear_dtypes();
+torch::Tensor pack_panels(torch::Tensor weight);
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU)");
@@ -39,10 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether q8_linear with float activations is a register-blocked matrix product from 32 rows (AVX-512 builds)");
   m.def("quantizes_activations", &quantizes_activations,
         "whether q4_linear and q8_linear (by default) quantize x to 8 bits per block of 32 (VNNI builds)");
-  m.def("bf16_panel_gemm", &bf16_panel_gemm,
-        "whether this build has the bfloat16 panel kernel (AVX512-BF16 without AMX; elsewhere oneDNN is used)");
-  m.def("bf16_pack_panels", &bf16_pack_panels, "an [N, K] bfloat16 weight in the panel kernel's layout");
-  m.def("bf16_panel_linear", &bf16_panel_linear, "x @ w.T (+ bias) for a weight packed by bf16_pack_panels",
-        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("bias"), pybind11::arg("N"));
+  m.def("panel_linear_dtypes", &panel_linear_dtypes,
+        "the weight dtypes this build's panel kernel takes (CPUs with AVX-512 but no AMX; elsewhere oneDNN is used)");
+  m.def("pack_panels", &pack_panels, "an [N, K] float32 or bfloat16 weight in the panel kernel's layout");
+  m.def("panel_linear", &panel_linear, "x @ w.T (+ bias) for a weight packed by pack_panels", pybind11::arg("x"),
+        pybind11::arg("panels"), pybind11::arg("bias"), pybind11::arg("N"));
   bind_llama_decoder(m);
 }
