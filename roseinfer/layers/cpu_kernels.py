@@ -10,7 +10,7 @@
 - Linear layers with GGUF-style blocked weights (4-bit and 8-bit blocks of 32) for small batches,
   expanded in registers against float activations (see quant_linear_cpu.cpp).
 - float32 and bfloat16 linear layers on CPUs with AVX-512 but no AMX (panel_linear_cpu.cpp):
-  1.1-1.4x oneDNN at decode batch sizes, 1.3-3x for one row.
+  1.1-1.75x oneDNN at decode batch sizes, 1.4-2.6x for one row.
 - A whole decode step of a Llama-family model with such weights in one call (llama_decode_cpu.cpp).
 
 Building needs a C++ compiler and takes ~30 s once; the result is cached by PyTorch

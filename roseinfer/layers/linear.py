@@ -8,7 +8,7 @@ then swaps every one of them for the kernel that suits the device and `--quantiz
                 at 4-64 rows here), same precision as the model's dtype. On CPUs with AVX-512 but
                 no AMX (AMD Zen 4/5), float32 and bfloat16 (with AVX512-BF16) weights run
                 roseinfer's panel kernel instead (`PanelLinear`, csrc/panel_linear_cpu.cpp):
-                1.1-1.4x oneDNN at 16-128 rows, 1.3-3x at one row; with AMX, oneDNN is kept.
+                1.1-1.75x oneDNN at 16-64 rows, 1.4-2.6x at one row; with AMX, oneDNN is kept.
   int8          weight-only 8-bit blocks of 32 along the input with a scale each (GGUF's Q8_0).
   int4          weight-only 4-bit blocks of 32 with a scale and a minimum each (GGUF's Q4_1; for
                 Q4_0/Q4_1 files these are the file's own codes), and the LM head, the layer most

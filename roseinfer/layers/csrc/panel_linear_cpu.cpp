@@ -1,9 +1,10 @@
 // Float linear layers (float32 and bfloat16 weights) on a kernel of our own, for CPUs with AVX-512
-// but no AMX tiles (AMD Zen 4/5 here). There oneDNN reached 630-880 GFLOP/s in bfloat16 (on
-// AVX512-BF16 dot products) and 205-235 in float32 on 2 cores for a decode batch of 64 against the
-// default model's layers (N = 576-3072 outputs, K = 576-1536 inputs): its split of so few output
-// columns left one thread waiting, and it read each layer's weights from memory without hiding
-// the wait. This kernel: ~950 and ~250 on the same layers, and 1.3-3x oneDNN for a single row.
+// but no AMX tiles (AMD Zen 4/5 here). There, on 2 cores against the default model's layers (N =
+// 576-3072 outputs, K = 576-1536 inputs) at a decode batch of 64, oneDNN reached 630-890 GFLOP/s in
+// bfloat16 (AVX512-BF16 dot products; the CPU's peak is ~950-990): its split of so few output
+// columns left one thread waiting, and it read each layer's weights from memory without hiding the
+// wait. This kernel: 870-950 GFLOP/s there (1.07-1.41x oneDNN), float32 1.08-1.21x, and 1.4-2.6x
+// oneDNN for a single row (panel_micro.py in the issue notes).
 // Where AMX exists oneDNN is kept (its AMX kernels are far faster in bfloat16; float32 was not
 // measured there): this file then builds to nothing, see panel_linear_dtypes.
 //
