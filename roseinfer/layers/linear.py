@@ -67,7 +67,12 @@ class PanelLinear(nn.Module):
         assert kernels is not None
         self._linear = kernels.panel_linear
         self.register_buffer("panels", kernels.pack_panels(linear.weight.detach()))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        # The kernel adds the bias in float32 before its one rounding, over whole panels.
+        bias = None
+        if linear.bias is not None:
+            bias = torch.zeros(self.panels.shape[0] * self.panels.shape[2])
+            bias[: self.out_features] = linear.bias.detach().float()
+        self.register_buffer("panel_bias", bias)
 
     @staticmethod
     def suits(linear: nn.Linear) -> bool:
@@ -80,7 +85,7 @@ class PanelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.panels, self.bias, self.out_features)
+        return self._linear(x, self.panels, self.panel_bias, self.out_features)
 
 
 def float_linear(linear: nn.Linear) -> nn.Module:

@@ -181,7 +181,8 @@ torch::Tensor pack_panels(torch::Tensor weight) {
   return packed;
 }
 
-// x [..., K]; panels from pack_panels of an [N, K] weight of x's dtype; bias [N] or None -> [..., N].
+// x [..., K]; panels from pack_panels of an [N, K] weight of x's dtype; bias None or float32 over the
+// packed columns (ceil(N / 48) * 48, zeros past N) -> [..., N].
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N) {
   TORCH_CHECK(has_panels(x.scalar_type()) && panels.scalar_type() == x.scalar_type() && panels.dim() == 4,
               "x and the packed panels must share a dtype of panel_linear_dtypes()");
@@ -193,15 +194,15 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto out = torch::empty(sizes, x.options());
-  // The bias in float32, padded to whole panels: added before the one rounding.
-  torch::Tensor bias_f;
+  const float* b = nullptr;  // float32, padded to whole panels: added before the one rounding
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "the bias has ", bias->numel(), " values for ", N, " outputs");
-    bias_f = torch::zeros({panels.size(0) * kPanelColumns}, x.options().dtype(torch::kFloat));
-    bias_f.narrow(0, 0, N).copy_(bias->reshape({N}));
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
+                    bias->numel() == panels.size(0) * kPanelColumns,
+                "the bias must be float32 with one value per packed column (", panels.size(0) * kPanelColumns,
+                "), zeros past N");
+    b = bias->data_ptr<float>();
   }
 #if ROSEINFER_PANELS
-  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto run = [&](auto* xp, auto* wp, auto* op) {
     for (int64_t m0 = 0; m0 < M; m0 += kPassRows)
       panel_pass(xp + m0 * K, std::min(kPassRows, M - m0), K, wp, panels.size(0), b, N, op + m0 * N);
