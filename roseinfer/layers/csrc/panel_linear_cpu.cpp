@@ -190,11 +190,11 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   TORCH_CHECK(panels.size(1) * panels.size(3) == K && panels.size(0) == (N + kPanelColumns - 1) / kPanelColumns,
               "x's last dimension (", K, ") or N (", N, ") does not match the packed weight");
   auto rows = x.reshape({-1, K}).contiguous();
-  const int64_t M = rows.size(0);
+  [[maybe_unused]] const int64_t M = rows.size(0);  // (builds without the kernel stop at the first check)
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto out = torch::empty(sizes, x.options());
-  const float* b = nullptr;  // float32, padded to whole panels: added before the one rounding
+  [[maybe_unused]] const float* b = nullptr;  // float32, padded to whole panels: added before the one rounding
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
                     bias->numel() == panels.size(0) * kPanelColumns,
