@@ -1,6 +1,7 @@
 """The C++ decode step (models/fused_decode.py) against the op-by-op forward it replaces: the same
 logits on tiny random Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms) models and the same
-next-token distributions on the default model, with int4 and int8 blocked weights."""
+next-token distributions on the default model, with int4 and int8 blocked weights and with float32
+and bfloat16 weights on the panel kernel."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def decode_logits_both_ways(engine: InferenceEngine, prompts: list[list[int]], s
             meta = inputs.meta
             logits = fused.forward(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_block_tables,
                                    meta.decode_context_lens, runner.kv_caches)
+            assert logits.dtype == reference.dtype and logits.shape == reference.shape
+            logits, reference = logits.float(), reference.float()
             worst = max(worst, (logits - reference).abs().max().item())
             kl = torch.nn.functional.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True,
                                             reduction="none").sum(-1)
@@ -62,22 +65,59 @@ def test_fused_decode_logits_equal_the_op_by_op_forward(kind, quantization, tmp_
         assert worst < 1e-4, worst
 
 
-def test_default_model_next_token_distributions_with_and_without_the_fused_decoder(chat_prompt_ids):
+def panel_dtypes() -> list[str]:
+    kernels = cpu_kernels()
+    return kernels.panel_linear_dtypes() if kernels is not None else []
+
+
+# More rows than one parallel task of the elementwise passes takes (16), of different lengths.
+MANY_PROMPTS = [[(7 * i + j) % 200 + 1 for j in range(3 + i)] for i in range(24)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_on_the_panel_kernel_equals_the_op_by_op_forward(kind, dtype, tmp_path):
+    """`--quantization none` on CPUs with the panel kernel: both paths call the same linear kernel,
+    attention and row functions, so the logits are the same, but for Qwen3, whose q/k norms run in
+    PyTorch op by op (their sums in another order; in bfloat16 a value may round the other way)."""
+    if dtype not in panel_dtypes():
+        pytest.skip(f"this CPU's build has no {dtype} panel kernel (it has AMX, or no AVX-512): oneDNN layers")
+    tiny_hf_model(kind, tmp_path / kind)
+    engine = InferenceEngine(str(tmp_path / kind), num_kv_blocks=128, dtype=dtype)
+    worst, worst_kl = decode_logits_both_ways(engine, MANY_PROMPTS, steps=5)
+    if kind != "qwen3":
+        assert worst == 0.0, worst
+    elif dtype == "float32":
+        assert worst < 1e-4, worst
+    else:
+        assert worst_kl < 1e-3, (worst, worst_kl)
+
+
+@pytest.mark.parametrize(("quantization", "dtype"), [("int4", "float32"), ("none", "float32"), ("none", "bfloat16")])
+def test_default_model_next_token_distributions_with_and_without_the_fused_decoder(
+    quantization, dtype, chat_prompt_ids
+):
     """On the 30-layer default model the two paths' float sums differ in the last bits; where the
     kernels quantize activations to 8 bits (VNNI) such a difference can move a value across a
     rounding step, so the comparison is of distributions (KL, nats), not of exact logits. The bound
-    is a tenth of a nat for the worst row, 30x the mean KL of int4 from float32 (bench quality)."""
-    llm = LLM(quantization="int4", kv_cache_memory=0.25)
+    is a tenth of a nat for the worst row, 30x the mean KL of int4 from float32 (bench quality).
+    Float weights on the panel kernel: the same kernels in the same order both ways, the same logits."""
+    if quantization == "none" and dtype not in panel_dtypes():
+        pytest.skip(f"this CPU's build has no {dtype} panel kernel: no fused decoder for float weights")
+    llm = LLM(quantization=quantization, dtype=dtype, kv_cache_memory=0.25)
     assert llm.engine.runner.fused_decoder is not None
     worst, worst_kl = decode_logits_both_ways(llm.engine, chat_prompt_ids[:4], steps=8)
     assert worst_kl < 0.1, (worst, worst_kl)
-    if not cpu_kernels().quantizes_activations():
+    if quantization == "none":
+        assert worst == 0.0, worst
+    elif not cpu_kernels().quantizes_activations():
         assert worst < 1e-3, worst
 
 
-def test_no_fused_decoder_where_it_does_not_apply(default_llm):
-    assert default_llm.engine.runner.fused_decoder is None  # float32 weights: the op-by-op path
-    assert torch.get_default_dtype() == torch.float32
+def test_no_fused_decoder_where_it_does_not_apply(tmp_path):
+    tiny_hf_model("gpt2", tmp_path / "gpt2")
+    engine = InferenceEngine(str(tmp_path / "gpt2"), num_kv_blocks=16)
+    assert engine.runner.fused_decoder is None  # GPT-2: the op-by-op path
 
 
 @pytest.mark.parametrize(("kind", "kv_cache_dtype", "pool_dtype"), [

@@ -30,7 +30,6 @@ from roseinfer.layers.attention import (
     causal_mask_with_prefix,
 )
 from roseinfer.layers.cpu_kernels import cpu_kernels
-from roseinfer.models.fused_decode import MAX_BATCH as MAX_FUSED_BATCH
 from roseinfer.models.fused_decode import fused_decoder_for
 from roseinfer.outputs import TokenLogprob
 from roseinfer.sampling_params import SamplingParams
@@ -129,7 +128,7 @@ class ModelRunner:
         self.kv_caches = [zeroed_untouched(shape, config.kv_cache_torch_dtype, self.device) for _ in range(model_config.num_layers)]
         self.sampler = Sampler()
         self.decode_kernel = decode_kernel_for(config.attention_backend, self.device)
-        # Decode-only steps of small batches in one C++ call (float32 Llama with blocked weights).
+        # Decode-only steps in one C++ call (Llama-family models on the CPU kernels: fused_decode.py).
         self.fused_decoder = (
             fused_decoder_for(model, model_config, self.dtype, self.device) if self.decode_kernel is not None else None
         )
@@ -151,7 +150,7 @@ class ModelRunner:
                 for req_id in scheduler_output.num_scheduled_tokens
             ])
         meta = inputs.meta
-        if self.fused_decoder is not None and not meta.prefills and meta.num_decode_tokens <= MAX_FUSED_BATCH:
+        if self.fused_decoder is not None and not meta.prefills and self.fused_decoder.serves(meta.num_decode_tokens):
             # Every request decodes one token and samples it: the rows are the batch itself.
             logits = self.fused_decoder.forward(
                 inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_block_tables,

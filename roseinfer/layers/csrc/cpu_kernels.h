@@ -10,6 +10,7 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <sleef.h>
 #endif
 
 #include <cmath>
@@ -168,13 +169,14 @@ inline void rotate_heads(scalar_t* __restrict x, int64_t heads, int64_t head_dim
 
 // One sequence's decode attention over the paged pool (float32, bfloat16 or half storage): q
 // [heads, head_dim] (unscaled) -> out [heads, head_dim]. The buffers are scratch space reused
-// between calls.
+// between calls. Queries and outputs are float32 over any pool, or bfloat16 over a bfloat16 or
+// q8_0 pool (a bfloat16 model), as paged_decode_attention takes them.
 // (A q8_0 pool is int8_t here: see kv_row_elements.)
-template <typename cache_t>
-void paged_attention_sequence(const float* q, const cache_t* k_pool, const cache_t* v_pool, const int64_t* block_table,
-                              int64_t context_len, int64_t heads, int64_t kv_heads, int64_t block_size,
-                              int64_t head_dim, float scale, float* out, std::vector<float>& scores,
-                              std::vector<float>& work);
+template <typename scalar_t, typename cache_t>
+void paged_attention_sequence(const scalar_t* q, const cache_t* k_pool, const cache_t* v_pool,
+                              const int64_t* block_table, int64_t context_len, int64_t heads, int64_t kv_heads,
+                              int64_t block_size, int64_t head_dim, float scale, scalar_t* out,
+                              std::vector<float>& scores, std::vector<float>& work);
 
 // out [M, N] = x [M, K] @ w.T for blocked weights (see quant_linear_cpu.cpp), in parallel over N.
 // xsums: scratch of at least M * K / 32 floats (q4 only).
@@ -185,5 +187,88 @@ void q4_matmul(const float* x, int64_t M, int64_t K, const uint8_t* codes, const
 // by reading its weights either way).
 void q8_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* scales, int64_t N,
                float* out, bool quantize_x);
+
+// out [M, N] = x [M, K] @ w.T + bias for a weight packed by pack_panels (panel_linear_cpu.cpp), in
+// parallel over the panels; bias: nullptr, or float32 over the packed columns. Only where
+// panel_linear_dtypes() lists the type.
+void panel_matmul(const float* x, int64_t M, int64_t K, const float* panels, int64_t panel_count,
+                  const float* bias, int64_t N, float* out);
+void panel_matmul(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* panels, int64_t panel_count,
+                  const float* bias, int64_t N, c10::BFloat16* out);
+
+// Rows begin .. end of x [rows, dim]: out = x / rms(x) * weight, the sum of squares in float
+// whatever the storage type (norm_cpu.cpp, and the fused decode step). x and out may not overlap.
+template <typename scalar_t>
+void norm_rows(const scalar_t* __restrict in, const scalar_t* __restrict weight, scalar_t* __restrict out,
+               int64_t begin, int64_t end, int64_t dim, float eps) {
+  for (int64_t r = begin; r < end; ++r) {
+    const scalar_t* __restrict row = in + r * dim;
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t d = 0; d < dim; ++d) squares += load_float(row + d) * load_float(row + d);
+    const float inv_rms = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
+    scalar_t* __restrict dst = out + r * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) store_float(dst + d, load_float(row + d) * inv_rms * load_float(weight + d));
+  }
+}
+
+// Rows begin .. end: residual += x, rounded to the storage type as the unfused `residual + x`.
+template <typename scalar_t>
+void add_rows(scalar_t* __restrict residual, const scalar_t* __restrict x, int64_t begin, int64_t end, int64_t dim) {
+#pragma omp simd
+  for (int64_t i = begin * dim; i < end * dim; ++i) store_float(residual + i, load_float(residual + i) + load_float(x + i));
+}
+
+// SiLU in float, x / (1 + exp(-x)), rounded to the storage type: the scalar tail of a row (and
+// every element on builds without AVX-512), where PyTorch's kernel also takes the scalar exp.
+template <typename scalar_t>
+inline float silu_rounded(float g) {
+  scalar_t silu;
+  store_float(&silu, g / (1.0f + std::exp(-g)));
+  return load_float(&silu);
+}
+
+#if defined(__AVX512F__)
+// v rounded to scalar_t's precision (nearest even), kept as floats.
+template <typename scalar_t>
+inline __m512 rounded_to(__m512 v) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_and_si512(bfloat16_rounded_bits(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  } else {
+    return v;
+  }
+}
+#endif
+
+// Rows begin .. end of in [rows, 2 * width] (gate, then up): out [rows, width] = SiLU(gate) * up,
+// rounded as PyTorch's op-by-op path rounds them: the SiLU in float, rounded to the storage type,
+// then the product in float, rounded again; on AVX-512 builds with the same exp, so bit for bit.
+template <typename scalar_t>
+void silu_and_mul_rows(const scalar_t* __restrict in, scalar_t* __restrict out, int64_t width, int64_t begin,
+                       int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const scalar_t* __restrict gate = in + r * 2 * width;
+    const scalar_t* __restrict up = gate + width;
+    scalar_t* __restrict dst = out + r * width;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= width; i += 16) {
+      const __m512 g = load16(gate + i);
+      // PyTorch's vectorised SiLU takes Sleef's exp (1-ulp); the same call gives the same bits.
+      // (A division with an explicit rounding mode: -ffast-math would make a plain one an
+      // approximate reciprocal, which rounds differently.)
+      const __m512 silu = _mm512_div_round_ps(g, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g))),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      // The SiLU rounded to the storage type, as PyTorch's separate kernel leaves it.
+      store16(dst + i, _mm512_mul_ps(rounded_to<scalar_t>(silu), load16(up + i)));
+    }
+#endif
+    for (; i < width; ++i) store_float(dst + i, silu_rounded<scalar_t>(load_float(gate + i)) * load_float(up + i));
+  }
+}
 
 }  // namespace roseinfer

@@ -344,28 +344,28 @@ void decode_dispatch(int64_t head_dim, const scalar_t* q, const cache_t* k, cons
 
 namespace roseinfer {
 
-template <typename cache_t>
-void paged_attention_sequence(const float* q, const cache_t* k_pool, const cache_t* v_pool, const int64_t* block_table,
-                              int64_t context_len, int64_t heads, int64_t kv_heads, int64_t block_size,
-                              int64_t head_dim, float scale, float* out, std::vector<float>& scores,
-                              std::vector<float>& work) {
+template <typename scalar_t, typename cache_t>
+void paged_attention_sequence(const scalar_t* q, const cache_t* k_pool, const cache_t* v_pool,
+                              const int64_t* block_table, int64_t context_len, int64_t heads, int64_t kv_heads,
+                              int64_t block_size, int64_t head_dim, float scale, scalar_t* out,
+                              std::vector<float>& scores, std::vector<float>& work) {
   DenormalsAreZero flush;
-  decode_dispatch<float, cache_t>(head_dim, q, k_pool, v_pool, block_table, context_len, heads, kv_heads,
-                                  block_size, scale, out, scores, work);
+  decode_dispatch<scalar_t, cache_t>(head_dim, q, k_pool, v_pool, block_table, context_len, heads, kv_heads,
+                                     block_size, scale, out, scores, work);
 }
 
-template void paged_attention_sequence<float>(const float*, const float*, const float*, const int64_t*, int64_t,
-                                              int64_t, int64_t, int64_t, int64_t, float, float*,
-                                              std::vector<float>&, std::vector<float>&);
-template void paged_attention_sequence<c10::BFloat16>(const float*, const c10::BFloat16*, const c10::BFloat16*,
-                                                      const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                                      float, float*, std::vector<float>&, std::vector<float>&);
-template void paged_attention_sequence<c10::Half>(const float*, const c10::Half*, const c10::Half*, const int64_t*,
-                                                  int64_t, int64_t, int64_t, int64_t, int64_t, float, float*,
-                                                  std::vector<float>&, std::vector<float>&);
-template void paged_attention_sequence<int8_t>(const float*, const int8_t*, const int8_t*, const int64_t*, int64_t,
-                                               int64_t, int64_t, int64_t, int64_t, float, float*,
-                                               std::vector<float>&, std::vector<float>&);
+#define ROSEINFER_ATTENTION(scalar_t, cache_t)                                                                  \
+  template void paged_attention_sequence<scalar_t, cache_t>(const scalar_t*, const cache_t*, const cache_t*,   \
+                                                            const int64_t*, int64_t, int64_t, int64_t, int64_t, \
+                                                            int64_t, float, scalar_t*, std::vector<float>&,    \
+                                                            std::vector<float>&);
+ROSEINFER_ATTENTION(float, float)
+ROSEINFER_ATTENTION(float, c10::BFloat16)
+ROSEINFER_ATTENTION(float, c10::Half)
+ROSEINFER_ATTENTION(float, int8_t)
+ROSEINFER_ATTENTION(c10::BFloat16, c10::BFloat16)
+ROSEINFER_ATTENTION(c10::BFloat16, int8_t)
+#undef ROSEINFER_ATTENTION
 
 }  // namespace roseinfer
 

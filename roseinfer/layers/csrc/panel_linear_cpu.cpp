@@ -30,6 +30,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_kernels.h"
+
 #if defined(__AVX512F__) && !defined(__AMX_TILE__)
 #define ROSEINFER_PANELS 1
 #include <immintrin.h>
@@ -149,6 +151,35 @@ int64_t step_of(c10::ScalarType dtype) { return dtype == torch::kFloat ? 1 : 2; 
 
 }  // namespace
 
+namespace roseinfer {
+
+void panel_matmul([[maybe_unused]] const float* x, [[maybe_unused]] int64_t M, [[maybe_unused]] int64_t K,
+                  [[maybe_unused]] const float* panels, [[maybe_unused]] int64_t panel_count,
+                  [[maybe_unused]] const float* bias, [[maybe_unused]] int64_t N, [[maybe_unused]] float* out) {
+  TORCH_CHECK(has_panels(torch::kFloat), "this build has no float32 panel kernel");
+#if ROSEINFER_PANELS
+  for (int64_t m0 = 0; m0 < M; m0 += kPassRows)
+    panel_pass(x + m0 * K, std::min(kPassRows, M - m0), K, panels, panel_count, bias, N, out + m0 * N);
+#endif
+}
+
+void panel_matmul([[maybe_unused]] const c10::BFloat16* x, [[maybe_unused]] int64_t M, [[maybe_unused]] int64_t K,
+                  [[maybe_unused]] const c10::BFloat16* panels, [[maybe_unused]] int64_t panel_count,
+                  [[maybe_unused]] const float* bias, [[maybe_unused]] int64_t N,
+                  [[maybe_unused]] c10::BFloat16* out) {
+  TORCH_CHECK(has_panels(torch::kBFloat16), "this build has no bfloat16 panel kernel");
+#if ROSEINFER_BF16_PANELS
+  // bfloat16 as raw 16-bit values: the kernel only moves and converts them with intrinsics.
+  const auto* xs = reinterpret_cast<const uint16_t*>(x);
+  const auto* ws = reinterpret_cast<const uint16_t*>(panels);
+  auto* os = reinterpret_cast<uint16_t*>(out);
+  for (int64_t m0 = 0; m0 < M; m0 += kPassRows)
+    panel_pass(xs + m0 * K, std::min(kPassRows, M - m0), K, ws, panel_count, bias, N, os + m0 * N);
+#endif
+}
+
+}  // namespace roseinfer
+
 std::vector<std::string> panel_linear_dtypes() {
   std::vector<std::string> dtypes;
   if (has_panels(torch::kFloat)) dtypes.push_back("float32");
@@ -190,11 +221,11 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   TORCH_CHECK(panels.size(1) * panels.size(3) == K && panels.size(0) == (N + kPanelColumns - 1) / kPanelColumns,
               "x's last dimension (", K, ") or N (", N, ") does not match the packed weight");
   auto rows = x.reshape({-1, K}).contiguous();
-  [[maybe_unused]] const int64_t M = rows.size(0);  // (builds without the kernel stop at the first check)
+  const int64_t M = rows.size(0);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto out = torch::empty(sizes, x.options());
-  [[maybe_unused]] const float* b = nullptr;  // float32, padded to whole panels: added before the one rounding
+  const float* b = nullptr;  // float32, padded to whole panels: added before the one rounding
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
                     bias->numel() == panels.size(0) * kPanelColumns,
@@ -202,20 +233,12 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
                 "), zeros past N");
     b = bias->data_ptr<float>();
   }
-#if ROSEINFER_PANELS
-  auto run = [&](auto* xp, auto* wp, auto* op) {
-    for (int64_t m0 = 0; m0 < M; m0 += kPassRows)
-      panel_pass(xp + m0 * K, std::min(kPassRows, M - m0), K, wp, panels.size(0), b, N, op + m0 * N);
-  };
   if (x.scalar_type() == torch::kFloat) {
-    run(rows.data_ptr<float>(), panels.data_ptr<float>(), out.data_ptr<float>());
+    roseinfer::panel_matmul(rows.data_ptr<float>(), M, K, panels.data_ptr<float>(), panels.size(0), b, N,
+                            out.data_ptr<float>());
   } else {
-#if ROSEINFER_BF16_PANELS
-    // bfloat16 as raw 16-bit values: the kernel only moves and converts them with intrinsics.
-    run(reinterpret_cast<const uint16_t*>(rows.data_ptr()), reinterpret_cast<const uint16_t*>(panels.data_ptr()),
-        reinterpret_cast<uint16_t*>(out.data_ptr()));
-#endif
+    roseinfer::panel_matmul(rows.data_ptr<c10::BFloat16>(), M, K, panels.data_ptr<c10::BFloat16>(), panels.size(0),
+                            b, N, out.data_ptr<c10::BFloat16>());
   }
-#endif
   return out;
 }
