@@ -256,6 +256,15 @@ class EngineConfig:
                 f"kv_cache_dtype q8_0 needs a head size that is a multiple of 32; this model's is {model_config.head_dim}",
                 "kv_cache_dtype",
             )
+        kv_dtype, dtype = self.kv_cache_torch_dtype, self.torch_dtype
+        if self.torch_device.type == "cpu" and dtype != torch.float32 and kv_dtype not in (dtype, torch.int8):
+            # The CPU kernels store and read a pool of another dtype only for float32 models.
+            name = str(dtype).removeprefix("torch.")
+            raise InvalidRequestError(
+                f"kv_cache_dtype {self.kv_cache_dtype} with dtype {name}: on the CPU a {name} model keeps its keys"
+                f" and values in {name} (auto) or q8_0; only a float32 model's cache can be another dtype",
+                "kv_cache_dtype",
+            )
         context = model_config.context_length
         if self.max_model_len is not None and self.max_model_len > context:
             raise InvalidRequestError(

@@ -135,6 +135,17 @@ def test_q8_0_kv_cache_needs_heads_of_32(tmp_path):
         InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=32, kv_cache_dtype="q8_0")
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
+def test_a_bfloat16_model_refuses_a_kv_cache_of_another_float_dtype(tmp_path, kv_cache_dtype):
+    """The CPU kernels convert keys and values to another pool dtype only from float32: refused at
+    start, naming the flag, rather than failing every request at its first step."""
+    tiny_hf_model("llama", tmp_path / "llama")
+    with pytest.raises(InvalidRequestError, match=f"kv_cache_dtype {kv_cache_dtype} with dtype bfloat16: on the CPU"):
+        InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=32, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+    engine = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=32, dtype="bfloat16", kv_cache_dtype="bfloat16")
+    assert engine.runner.kv_caches[0].dtype == torch.bfloat16
+
+
 def test_kv_cache_dtype_is_checked():
     from roseinfer.config import EngineConfig
     from roseinfer.errors import InvalidRequestError
