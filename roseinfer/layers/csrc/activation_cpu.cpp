@@ -15,13 +15,6 @@
 
 #include "cpu_kernels.h"
 
-namespace {
-
-// Rows per parallel task: enough work per task that threads are not started for a handful of rows.
-constexpr int64_t kRowsPerTask = 8;
-
-}  // namespace
-
 // x: [..., 2 * width], contiguous, gate then up in each row -> [..., width].
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() >= 1 && x.size(-1) % 2 == 0,
@@ -33,9 +26,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   auto run = [&](auto* in) {
     using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(in)>>;
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      roseinfer::silu_and_mul_rows<scalar_t>(in, o, width, begin, end);
-    });
+    roseinfer::silu_and_mul_in_parallel<scalar_t>(in, o, width, rows);
   };
   switch (x.scalar_type()) {
     case torch::kFloat: run(x.data_ptr<float>()); break;

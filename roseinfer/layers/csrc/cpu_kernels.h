@@ -4,6 +4,7 @@
 
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -220,6 +221,30 @@ void add_rows(scalar_t* __restrict residual, const scalar_t* __restrict x, int64
   for (int64_t i = begin * dim; i < end * dim; ++i) store_float(residual + i, load_float(residual + i) + load_float(x + i));
 }
 
+// Rows per parallel task of the elementwise passes: enough work per task that threads are not
+// started for a handful of rows.
+constexpr int64_t kNormRowsPerTask = 16;
+constexpr int64_t kActivationRowsPerTask = 8;
+
+// norm_rows over all rows, in parallel.
+template <typename scalar_t>
+void norm_rows_in_parallel(const scalar_t* in, const scalar_t* weight, scalar_t* out, int64_t rows, int64_t dim,
+                           float eps) {
+  at::parallel_for(0, rows, kNormRowsPerTask,
+                   [&](int64_t begin, int64_t end) { norm_rows<scalar_t>(in, weight, out, begin, end, dim, eps); });
+}
+
+// residual += x, then out = rms_norm(residual) * weight, each task's rows in both passes while in
+// cache (out may be x).
+template <typename scalar_t>
+void add_and_norm_rows_in_parallel(scalar_t* residual, const scalar_t* x, const scalar_t* weight, scalar_t* out,
+                                   int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, kNormRowsPerTask, [&](int64_t begin, int64_t end) {
+    add_rows<scalar_t>(residual, x, begin, end, dim);
+    norm_rows<scalar_t>(residual, weight, out, begin, end, dim, eps);
+  });
+}
+
 // SiLU in float, x / (1 + exp(-x)), rounded to the storage type: the scalar tail of a row (and
 // every element on builds without AVX-512), where PyTorch's kernel also takes the scalar exp.
 template <typename scalar_t>
@@ -269,6 +294,13 @@ void silu_and_mul_rows(const scalar_t* __restrict in, scalar_t* __restrict out, 
 #endif
     for (; i < width; ++i) store_float(dst + i, silu_rounded<scalar_t>(load_float(gate + i)) * load_float(up + i));
   }
+}
+
+// silu_and_mul_rows over all rows, in parallel.
+template <typename scalar_t>
+void silu_and_mul_in_parallel(const scalar_t* in, scalar_t* out, int64_t width, int64_t rows) {
+  at::parallel_for(0, rows, kActivationRowsPerTask,
+                   [&](int64_t begin, int64_t end) { silu_and_mul_rows<scalar_t>(in, out, width, begin, end); });
 }
 
 }  // namespace roseinfer

@@ -30,10 +30,6 @@ namespace {
 
 using OptTensor = std::optional<torch::Tensor>;
 
-// Rows per parallel task of the elementwise passes, as their op-by-op kernels split them.
-constexpr int64_t kNormRowsPerTask = 16;
-constexpr int64_t kActivationRowsPerTask = 8;
-
 template <typename T>
 constexpr c10::ScalarType kDtype = std::is_same_v<T, float> ? torch::kFloat : torch::kBFloat16;
 
@@ -109,22 +105,6 @@ struct Layer {
   DecodeLinear qkv, o, gate_up, down;
 };
 
-template <typename T>
-void norm_in_parallel(const T* in, const torch::Tensor& weight, T* out, int64_t rows, int64_t dim, float eps) {
-  at::parallel_for(0, rows, kNormRowsPerTask, [&](int64_t begin, int64_t end) {
-    roseinfer::norm_rows<T>(in, weight.data_ptr<T>(), out, begin, end, dim, eps);
-  });
-}
-
-// residual += x; out = rms_norm(residual) * weight (fused_add_rms_norm's two passes).
-template <typename T>
-void add_and_norm(T* residual, const T* x, const torch::Tensor& weight, T* out, int64_t rows, int64_t dim, float eps) {
-  at::parallel_for(0, rows, kNormRowsPerTask, [&](int64_t begin, int64_t end) {
-    roseinfer::add_rows<T>(residual, x, begin, end, dim);
-    roseinfer::norm_rows<T>(residual, weight.data_ptr<T>(), out, begin, end, dim, eps);
-  });
-}
-
 }  // namespace
 
 class LlamaDecoder {
@@ -196,12 +176,13 @@ class LlamaDecoder {
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
       if (l == 0) {
-        norm_in_parallel(residual.data(), layer.attn_norm, normed.data(), B, H, eps_);
+        roseinfer::norm_rows_in_parallel(residual.data(), layer.attn_norm.data_ptr<T>(), normed.data(), B, H, eps_);
       } else {
-        add_and_norm(residual.data(), out.data(), layer.attn_norm, normed.data(), B, H, eps_);
+        roseinfer::add_and_norm_rows_in_parallel(residual.data(), out.data(), layer.attn_norm.data_ptr<T>(),
+                                                 normed.data(), B, H, eps_);
       }
       layer.qkv.apply(normed.data(), B, qkv.data(), xsums);
-      at::parallel_for(0, B, kNormRowsPerTask, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, B, roseinfer::kNormRowsPerTask, [&](int64_t begin, int64_t end) {
         std::vector<T> copy(layer.q_norm.defined() ? q_size : 0);
         for (int64_t b = begin; b < end; ++b) {
           T* q = qkv.data() + b * qkv_size;
@@ -218,14 +199,14 @@ class LlamaDecoder {
       });
       attend(qkv.data(), attn.data(), B, kv_caches[l], step);
       layer.o.apply(attn.data(), B, out.data(), xsums);
-      add_and_norm(residual.data(), out.data(), layer.mlp_norm, normed.data(), B, H, eps_);
+      roseinfer::add_and_norm_rows_in_parallel(residual.data(), out.data(), layer.mlp_norm.data_ptr<T>(),
+                                               normed.data(), B, H, eps_);
       layer.gate_up.apply(normed.data(), B, mlp.data(), xsums);
-      at::parallel_for(0, B, kActivationRowsPerTask, [&](int64_t begin, int64_t end) {
-        roseinfer::silu_and_mul_rows<T>(mlp.data(), act.data(), I, begin, end);
-      });
+      roseinfer::silu_and_mul_in_parallel(mlp.data(), act.data(), I, B);
       layer.down.apply(act.data(), B, out.data(), xsums);
     }
-    add_and_norm(residual.data(), out.data(), final_norm_, normed.data(), B, H, eps_);
+    roseinfer::add_and_norm_rows_in_parallel(residual.data(), out.data(), final_norm_.data_ptr<T>(), normed.data(), B,
+                                             H, eps_);
     if (head_.panels.defined()) {
       torch::Tensor logits = torch::empty({B, head_.N}, torch::dtype(kDtype<T>));
       head_.apply(normed.data(), B, logits.data_ptr<T>(), xsums);

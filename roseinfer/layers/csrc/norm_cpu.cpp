@@ -15,9 +15,6 @@
 
 namespace {
 
-// Rows per parallel task: enough work per task that threads are not started for a handful of rows.
-constexpr int64_t kRowsPerTask = 16;
-
 void check(const torch::Tensor& x, const torch::Tensor& weight) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() >= 1, "x must be a contiguous CPU tensor");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous(),
@@ -36,9 +33,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
     const scalar_t* in = x.data_ptr<scalar_t>();
     const scalar_t* w = weight.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      roseinfer::norm_rows<scalar_t>(in, w, o, begin, end, dim, static_cast<float>(eps));
-    });
+    roseinfer::norm_rows_in_parallel<scalar_t>(in, w, o, rows, dim, static_cast<float>(eps));
   });
   return out;
 }
@@ -54,9 +49,6 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
     scalar_t* xs = x.data_ptr<scalar_t>();
     scalar_t* res = residual.data_ptr<scalar_t>();
     const scalar_t* w = weight.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      roseinfer::add_rows<scalar_t>(res, xs, begin, end, dim);
-      roseinfer::norm_rows<scalar_t>(res, w, xs, begin, end, dim, static_cast<float>(eps));
-    });
+    roseinfer::add_and_norm_rows_in_parallel<scalar_t>(res, xs, w, xs, rows, dim, static_cast<float>(eps));
   });
 }
