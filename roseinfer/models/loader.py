@@ -153,6 +153,11 @@ def release_free_memory() -> None:
     """Give the heap pages that loading freed (file buffers, dequantized copies) back to the
     system: without it they stay in the process's resident memory (~0.2 GB for the default model)."""
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Return the malloc heaps' free pages to the system (glibc; elsewhere nothing to do)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim

@@ -31,6 +31,7 @@ from roseinfer.layers.attention import (
 )
 from roseinfer.layers.cpu_kernels import cpu_kernels
 from roseinfer.models.fused_decode import fused_decoder_for
+from roseinfer.models.loader import trim_heap
 from roseinfer.outputs import TokenLogprob
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.step_timings import PhaseClock, StepTimings
@@ -167,6 +168,10 @@ class ModelRunner:
             return ModelRunnerOutput()
         output = self.sample(logits, inputs.sampling, scheduler_output)
         clock.lap("sample")
+        if meta.prefills and self.device.type == "cpu":
+            # A prefill chunk's activations (tens of MiB) are freed into the heap, where decode
+            # steps' smaller buffers would keep them resident: return their pages now.
+            trim_heap()
         return output
 
     @torch.inference_mode()
