@@ -7,9 +7,10 @@ checkpoint file with a tokenizer directory.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,10 +159,18 @@ def release_free_memory() -> None:
 
 def trim_heap() -> None:
     """Return the malloc heaps' free pages to the system (glibc; elsewhere nothing to do)."""
+    malloc_trim = _malloc_trim()
+    if malloc_trim is not None:
+        malloc_trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, looked up once (the model runner calls it after every prefill)."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+        return None
 
 
 def load_model(
