@@ -58,6 +58,9 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
+    # The dtype a Hugging Face checkpoint's weights are stored in ("bfloat16", "float32", ...), which
+    # --dtype auto follows on the CPU where it runs fast; None for GGUF files (float32 activations).
+    checkpoint_dtype: str | None = None
 
     def kv_row_elements(self, dtype: torch.dtype) -> int:
         """Pool elements of one token's keys (or values) for one KV head: head_dim, or for a q8_0
@@ -141,8 +144,8 @@ class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
     tokenizer: str | None = None  # a directory; needed for the seed's bare checkpoints
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "none"  # none | int8 | int4 (blocked weight-only linear layers; see layers/linear.py)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: see resolve)
+    quantization: str = "auto"  # auto | none | int8 | int4 (how weights are held; see layers/linear.py)
     block_size: int = 16
     # auto: the model's dtype. bfloat16 / float16 halve a float32 model's KV cache (memory and the
     # bytes decode attention reads); attention still computes in float32.
@@ -251,6 +254,8 @@ class EngineConfig:
         from roseinfer.distributed.partition import check_tensor_parallel
 
         check_tensor_parallel(model_config, self.tensor_parallel_size)
+        if self.dtype == "auto":
+            self.dtype = self._auto_dtype(model_config)
         if self.kv_cache_torch_dtype == torch.int8 and model_config.head_dim % 32:
             raise InvalidRequestError(
                 f"kv_cache_dtype q8_0 needs a head size that is a multiple of 32; this model's is {model_config.head_dim}",
@@ -292,6 +297,19 @@ class EngineConfig:
             length = capacity
         self.max_model_len = length
 
+    def _auto_dtype(self, model_config: ModelConfig) -> str:
+        """--dtype auto: bfloat16 on a GPU; on the CPU float32, except that with --quantization auto a
+        bfloat16 checkpoint stays bfloat16 where the CPU has bfloat16 dot products (elsewhere its
+        matrix products would be emulated, far slower than float32)."""
+        if self.torch_device.type == "cuda":
+            return "bfloat16"
+        if self.quantization == "auto" and model_config.checkpoint_dtype == "bfloat16":
+            from roseinfer.layers.cpu_kernels import cpu_has_bfloat16_dot_products
+
+            if cpu_has_bfloat16_dot_products():
+                return "bfloat16"
+        return "float32"
+
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         """The engine arguments of a parser built with `add_engine_args`."""
@@ -324,8 +342,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            # bf16 where the hardware is made for it, exact fp32 on the CPU.
+        if self.dtype == "auto":  # before resolve(): bf16 where the hardware is made for it, fp32 on the CPU
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
 
@@ -356,10 +373,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tokenizer", "--tokenizer-name", dest="tokenizer", default=None,
                        help="tokenizer directory (needed for bare checkpoints)")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
-    group.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    group.add_argument("--quantization", "-q", default="none", choices=QUANTIZATION_METHODS,
-                       help="linear-layer weights: none (the dtype's), or 8-bit / 4-bit blocks of 32 "
-                            "(GGUF's Q8_0 / Q4_1; float32 activations); CPU only")
+    group.add_argument("--dtype", default="auto",
+                       help="auto | float32 | bfloat16 | float16 (auto: bfloat16 on a GPU; on the CPU "
+                            "float32, or bfloat16 for a bfloat16 checkpoint where the CPU has bfloat16 "
+                            "dot products)")
+    group.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATION_METHODS,
+                       help="how weights are held: auto (as the checkpoint has them: a GGUF file's "
+                            "quantized types in their own codes, dense weights in --dtype), none "
+                            "(everything expanded to --dtype, exact products), or int8 / int4 (dense "
+                            "weights quantized to GGUF Q8_0 / Q4_1 blocks); blocks run on the CPU")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--kv-cache-dtype", default="auto",
                        help="auto (the model's dtype) | bfloat16 | float16: a float32 model's KV cache in "

@@ -7,8 +7,9 @@
   rotary embedding in place in one pass (PyTorch: four); the step's new keys and values stored
   in the pool in one pass (PyTorch: two index_copy_); SiLU(gate) * up in one pass (PyTorch: a
   SiLU, a product and a temporary); greedy sampling's argmax of each row of the logits.
-- Linear layers with GGUF-style blocked weights (4-bit and 8-bit blocks of 32) for small batches,
-  expanded in registers against float activations (see quant_linear_cpu.cpp).
+- Linear layers on GGUF-typed weights (Q4_0 ... Q6_K, IQ4_NL, IQ4_XS) in the file's own codes: one
+  driver over per-type block traits (gguf_blocks.h, gguf_linear_cpu.cpp), 8-bit activations for
+  small batches where the CPU has VNNI, weights expanded a panel at a time for large ones.
 - float32 and bfloat16 linear layers on CPUs with AVX-512 but no AMX (panel_linear_cpu.cpp):
   1.1-1.75x oneDNN at decode batch sizes, 1.4-2.6x for one row.
 - A whole decode step of a Llama-family model with such weights in one call (llama_decode_cpu.cpp).
@@ -33,8 +34,8 @@ logger = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in ("bindings.cpp", "paged_attention_cpu.cpp", "kv_write_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp",
-                 "activation_cpu.cpp", "argmax_cpu.cpp", "quant_linear_cpu.cpp", "panel_linear_cpu.cpp",
-                 "llama_decode_cpu.cpp")
+                 "activation_cpu.cpp", "argmax_cpu.cpp", "panel_linear_cpu.cpp",
+                 "gguf_linear_cpu.cpp", "llama_decode_cpu.cpp")
 ]
 # -march=native: the build is for this CPU; its name carries the CPU's feature flags so a cache
 # shared with another machine never loads code built for different instructions.
@@ -45,6 +46,21 @@ _SOURCES = [
 # flag it compiles to a serial loop (every kernel ran on one core until this was found). PyTorch's
 # own libgomp is the one loaded, so the kernels share its thread pool.
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_has_bfloat16_dot_products() -> bool:
+    """AVX512-BF16 or AMX: bfloat16 matrix products at least twice float32's speed."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def _cpu_fingerprint() -> str:
@@ -90,7 +106,7 @@ def _remove_stale_build_lock(name: str) -> None:
 
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
-    """The compiled module (`paged_decode_attention`, `rms_norm`, `fused_add_rms_norm`, `q4_linear`, ...), or None
+    """The compiled module (`paged_decode_attention`, `rms_norm`, `fused_add_rms_norm`, `gguf_linear`, ...), or None
     where it cannot be built."""
     try:
         from torch.utils.cpp_extension import load

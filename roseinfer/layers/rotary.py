@@ -15,6 +15,7 @@ import torch
 
 from roseinfer.errors import ModelLoadError
 from roseinfer.layers.cpu_kernels import cpu_kernels
+from roseinfer.layers.quantization import permute_rows
 
 
 def rope_inverse_frequencies(
@@ -79,9 +80,14 @@ def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * rotations).flatten(-2).to(x.dtype)
 
 
-def interleave_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def interleave_rotary_rows(weight, num_heads: int):
     """Reorder the rows (or entries) of a q/k projection from Hugging Face's half-split layout,
-    [x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}] per head, to adjacent pairs [x_0, y_0, x_1, y_1, ...]."""
-    head_dim = weight.shape[0] // num_heads
-    halves = weight.reshape(num_heads, 2, head_dim // 2, *weight.shape[1:])
-    return halves.transpose(1, 2).reshape(weight.shape)
+    [x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}] per head, to adjacent pairs [x_0, y_0, x_1, y_1, ...]
+    (a dense tensor, or a checkpoint tensor of another format: see layers/quantization)."""
+
+    def interleave(rows: torch.Tensor) -> torch.Tensor:
+        head_dim = rows.shape[0] // num_heads
+        halves = rows.reshape(num_heads, 2, head_dim // 2, *rows.shape[1:])
+        return halves.transpose(1, 2).reshape(rows.shape)
+
+    return permute_rows(weight, interleave)

@@ -58,7 +58,7 @@ def export_gguf_to_hf(gguf_path: Path | None, output: Path) -> Path:
     config = model_config_from_gguf(gguf)
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     output.mkdir(parents=True, exist_ok=True)
-    tensors = {name: tensor.contiguous() for name, tensor in gguf_weights(gguf, config)}
+    tensors = {name: tensor.contiguous() for name, tensor in gguf_weights(gguf, config, expand=True)}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(output / "model.safetensors"), metadata={"format": "pt"})

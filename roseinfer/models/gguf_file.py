@@ -1,4 +1,6 @@
-"""Reading a GGUF file: its metadata as plain Python values and its tensors as torch tensors."""
+"""Reading a GGUF file: its metadata as plain Python values, and its tensors as they are stored
+(dense types as torch views of the memory map, block types as `BlockTensor`s of their bytes), or
+expanded to float32 for tools that want plain values (export, rotary factors)."""
 
 from __future__ import annotations
 
@@ -12,20 +14,19 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
 
 from roseinfer.errors import ModelLoadError
-
-# Types roseinfer dequantizes on load; anything else gets a clear error.
-SUPPORTED_TENSOR_TYPES = frozenset(
-    GGMLQuantizationType[name]
-    for name in (
-        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-    )
+from roseinfer.layers.quantization.gguf import (
+    BLOCK_TYPES,
+    DENSE_TYPES,
+    BlockTensor,
+    numpy_view,
+    supported_type_names,
 )
 
-_ROWS_PER_RUN = 4096  # rows dequantized at once (~10 MB of float32 at 576 columns)
+# Types roseinfer runs (dense ones as torch tensors, block ones in their own kernels); anything
+# else is a clear error naming the tensor.
+SUPPORTED_TENSOR_TYPES = frozenset((*DENSE_TYPES, *BLOCK_TYPES))
 
 
 class GGUFFile:
@@ -63,32 +64,46 @@ class GGUFFile:
         """The shape in PyTorch order (GGUF lists the fastest-moving dimension first)."""
         return tuple(int(d) for d in reversed(self._tensors[name].shape))
 
-    def load_tensor(self, name: str) -> torch.Tensor:
-        """The tensor dequantized to float32, in PyTorch shape order."""
+    def tensor(self, name: str) -> torch.Tensor | BlockTensor:
+        """The tensor as the file stores it, in PyTorch shape order: a dense one as a torch view of
+        the memory map (read-only: copy it before writing), a block one as its rows of blocks."""
         tensor = self._tensors.get(name)
         if tensor is None:
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
         qtype = GGMLQuantizationType(tensor.tensor_type)
         if qtype not in SUPPORTED_TENSOR_TYPES:
-            supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
             raise ModelLoadError(
                 f"{self.path}: tensor {name!r} is stored as GGML type {qtype.name}, "
-                f"which roseinfer cannot load (supported: {supported})"
+                f"which roseinfer cannot run (supported: {supported_type_names()})"
             )
         shape = self.tensor_shape(name)
         data = tensor.data  # a view of the memory map: [rows, bytes of a row] for block types
-        # A fresh array (F32 tensors come back as read-only views of the memory map), filled a
-        # run of rows at a time: dequantizing a whole embedding table at once would hold several
-        # float32 copies of it (numpy's intermediates) at the peak of loading.
-        array = np.empty(shape, dtype=np.float32)
-        if data.ndim >= 2 and data.shape[0] == shape[0]:
-            for start in range(0, shape[0], _ROWS_PER_RUN):
-                end = min(start + _ROWS_PER_RUN, shape[0])
-                array[start:end] = dequantize(data[start:end], qtype).reshape(end - start, *shape[1:])
-        else:
-            array[...] = dequantize(data, qtype).reshape(shape)
-        _release_mapped_pages(data)
-        return torch.from_numpy(array)
+        if qtype in DENSE_TYPES:
+            if qtype == GGMLQuantizationType.BF16:  # numpy has no bfloat16: its bits as int16
+                return numpy_view(data.view(np.int16).reshape(shape)).view(torch.bfloat16)
+            return numpy_view(data.reshape(shape))
+        if len(shape) == 1:  # a vector in blocks (rare): its values
+            return self._expanded(BlockTensor(qtype, numpy_view(data.reshape(1, -1)), shape[0])).reshape(shape)
+        rows = int(np.prod(shape[:-1]))
+        return BlockTensor(qtype, numpy_view(data.reshape(rows, -1)), shape[-1],
+                           release=functools.partial(_release_mapped_pages, data))
+
+    def load_tensor(self, name: str) -> torch.Tensor:
+        """The tensor's values as float32, in PyTorch shape order (a copy; the file's pages are
+        let go after)."""
+        tensor = self.tensor(name)
+        if isinstance(tensor, BlockTensor):
+            return self._expanded(tensor).reshape(self.tensor_shape(name))
+        values = tensor.to(torch.float32, copy=True)
+        _release_mapped_pages(self._tensors[name].data)
+        return values
+
+    @staticmethod
+    def _expanded(tensor: BlockTensor) -> torch.Tensor:
+        values = tensor.dequantize(torch.float32)
+        if tensor.release is not None:
+            tensor.release()
+        return values
 
 
 _MADV_DONTNEED = 4  # Linux

@@ -1,7 +1,10 @@
-"""GGUF (llama.cpp's format) -> ModelConfig and Hugging Face-named float tensors.
+"""GGUF (llama.cpp's format) -> ModelConfig and Hugging Face-named checkpoint tensors: dense ones
+as torch tensors, quantized ones as `BlockTensor`s in their own type (or expanded to float32 for
+tools that want plain values).
 
 llama.cpp's converter permutes the rows of Llama q/k weights for its interleaved rotary layout;
-we undo that so one model implementation serves GGUF and Hugging Face checkpoints alike.
+we undo that so one model implementation serves GGUF and Hugging Face checkpoints alike (on
+blocks, a permutation of whole rows; the model's own re-interleaving then undoes it for free).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import torch
 
 from roseinfer.config import ModelConfig
 from roseinfer.errors import ModelLoadError
+from roseinfer.layers.quantization import permute_rows
+from roseinfer.layers.quantization.gguf import BlockTensor
 from roseinfer.models.gguf_file import GGUFFile
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -52,11 +57,14 @@ _GPT2_GLOBAL = {
 }
 
 
-def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_qk(weight: torch.Tensor | BlockTensor, num_heads: int) -> torch.Tensor | BlockTensor:
     """Inverse of llama.cpp's row permutation of q/k (interleaved pairs -> rotate-half halves)."""
-    rows = weight.shape[0]
-    half = rows // num_heads // 2
-    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+    def unpermute(rows: torch.Tensor) -> torch.Tensor:
+        half = rows.shape[0] // num_heads // 2
+        return rows.reshape(num_heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+    return permute_rows(weight, unpermute)
 
 
 def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
@@ -123,8 +131,10 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     )
 
 
-def gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor, dequantized to float32, under its Hugging Face name."""
+def gguf_weights(
+    gguf: GGUFFile, config: ModelConfig, expand: bool = False
+) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
+    """Every tensor under its Hugging Face name, as stored (`expand`: as float32 values)."""
     arch = gguf.architecture
     per_layer, global_names = (_GPT2_NAMES, _GPT2_GLOBAL) if arch == "gpt2" else (_LLAMA_NAMES, _LLAMA_GLOBAL)
     layer_prefix = "transformer.h" if arch == "gpt2" else "model.layers"
@@ -140,7 +150,7 @@ def gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, tor
             hf_name, module = f"{global_names[stem]}.{suffix}", stem
         else:
             raise ModelLoadError(f"{gguf.path}: unexpected tensor {name!r} for architecture {arch!r}")
-        tensor = gguf.load_tensor(name)
+        tensor = gguf.load_tensor(name) if expand else gguf.tensor(name)
         if arch in _PERMUTED_QK and module in ("attn_q", "attn_k"):
             heads = config.num_heads if module == "attn_q" else config.num_kv_heads
             tensor = unpermute_qk(tensor, heads)

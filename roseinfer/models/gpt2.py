@@ -20,6 +20,7 @@ from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.distributed.partition import partition
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
 from roseinfer.layers.parallel import VocabParallelEmbedding, gather_logits, take_shard
+from roseinfer.layers.quantization import concat_rows
 from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
 _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -60,7 +61,7 @@ class GPT2Block(nn.Module):
         already in nn.Linear layout)."""
         if suffix.startswith("attn.c_attn."):  # [q; k; v] rows: this rank's heads of each
             parts = tensor.split(tensor.shape[0] // 3)
-            return torch.cat([take_shard(part, 0, self.attn_start, self.attn_size) for part in parts])
+            return concat_rows([take_shard(part, 0, self.attn_start, self.attn_size) for part in parts])
         if suffix == "mlp.c_fc.weight" or suffix == "mlp.c_fc.bias":
             return take_shard(tensor, 0, self.mlp_start, self.mlp_size)
         if suffix == "attn.c_proj.weight":

@@ -35,6 +35,12 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
+def _stored_dtype(raw: dict[str, Any]) -> str | None:
+    """The weights' dtype as config.json gives it (transformers 5 writes `dtype`, 4 `torch_dtype`)."""
+    value = raw.get("dtype") or raw.get("torch_dtype")
+    return str(value).removeprefix("torch.") if value else None
+
+
 def model_config_from_hf(directory: Path) -> ModelConfig:
     path = directory / "config.json"
     try:
@@ -75,6 +81,7 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
             sliding_window=sliding,
             eos_token_ids=eos,
             name=name,
+            checkpoint_dtype=_stored_dtype(raw),
         )
     if model_type == "gpt2":
         hidden = raw["n_embd"]
@@ -96,6 +103,7 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
             hidden_act=activation,
             eos_token_ids=eos,
             name=name,
+            checkpoint_dtype=_stored_dtype(raw),
         )
     supported = sorted([*_LLAMA_FAMILY, "gpt2"])
     raise ModelLoadError(

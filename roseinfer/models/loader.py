@@ -100,7 +100,8 @@ class ModelSource:
         config.eos_token_ids = [eos] if eos is not None else []
         return config
 
-    def weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, config: ModelConfig) -> Iterator[tuple[str, object]]:
+        """Named checkpoint tensors as stored: dense torch tensors, or GGUF `BlockTensor`s."""
         if self.kind == "hf":
             return _safetensors_weights(self.path)
         if self.kind == "gguf":
@@ -178,7 +179,7 @@ def load_model(
     tokenizer: str | None,
     device: torch.device,
     dtype: torch.dtype,
-    quantization: str = "none",
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Model, configuration and tokenizer in one call (for tools that run the model directly)."""
     source = ModelSource.resolve(model, tokenizer)

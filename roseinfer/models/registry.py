@@ -9,9 +9,8 @@ from torch import nn
 
 from roseinfer.config import ModelConfig
 from roseinfer.errors import ModelLoadError
-from roseinfer.layers.cpu_kernels import cpu_kernels
-from roseinfer.layers.linear import BlockQuantLinear, LinearLayerKernels, prepare_linear_layers
-from roseinfer.layers.parallel import VocabParallelEmbedding, store_embeddings_compactly
+from roseinfer.layers.linear import LinearLayerKernels, WeightParts, prepare_linear_layers
+from roseinfer.layers.parallel import VocabParallelEmbedding
 from roseinfer.models.gpt2 import GPT2LMHeadModel
 from roseinfer.models.llama import LlamaForCausalLM
 
@@ -23,13 +22,14 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 
 def build_model(
     config: ModelConfig,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, object]],
     device: torch.device,
     dtype: torch.dtype,
-    quantization: str = "none",
+    quantization: str = "auto",
 ) -> nn.Module:
-    """Instantiate without initialising (meta tensors), fill every parameter from `weights`, then
-    give the linear layers the kernels of the device and the quantization method."""
+    """Instantiate without initialising (meta tensors), fill every parameter from `weights` (dense
+    tensors, or GGUF blocks kept as they are), then give the linear layers the kernels of the
+    device, the weights' formats and the quantization method."""
     model_class = MODEL_CLASSES.get(config.architecture)
     if model_class is None:
         raise ModelLoadError(
@@ -40,44 +40,54 @@ def build_model(
     model = model.to_empty(device=device)
     linear_kernels = LinearLayerKernels(quantization, device)
 
-    def quantize_when_loaded(module_name: str) -> None:
-        # With --quantization each linear layer is quantized as soon as it is loaded and its float
-        # weight freed: an int4 load peaked with the whole float32 model in memory (946 MiB, now
-        # 558 for 403 loaded). Float layers wait for the end (a prepacked copy is as large as the
-        # weight; made during the load, the freed weights' holes raised the float32 peak by ~40
-        # MiB). The head waits too: a tied head is tied at the end of the load.
-        if quantization != "none" and module_name != "lm_head":
-            with torch.no_grad():
-                linear_kernels.prepare(model, module_name)
+    def convert_when_loaded(module_name: str, blocks: dict[str, WeightParts]) -> None:
+        # A layer whose weight came in blocks gets its kernel as soon as it is complete (or is
+        # expanded), and with --quantization int4/int8 each dense layer is quantized then and its
+        # float weight freed: an int4 load peaked with the whole float32 model in memory. Dense
+        # layers otherwise wait for the end (see LinearLayerKernels._dense). A tied head waits too:
+        # it is tied at the end of the load.
+        module = model.get_submodule(module_name)
+        with torch.no_grad():
+            if isinstance(module, VocabParallelEmbedding):
+                if "weight" in blocks:
+                    _load_table(module, blocks["weight"], linear_kernels, dtype, device)
+            elif blocks or (linear_kernels.quantizes and module_name != "lm_head"):
+                linear_kernels.prepare(model, module_name, blocks.get("weight"))
 
-    model.load_weights(weights, quantize_when_loaded)
+    model.load_weights(weights, convert_when_loaded)
     if hasattr(model, "rotary"):
         model.rotary.to(device)
     model.requires_grad_(False)
-    share_tied_head_blocks(model, quantization, device)
-    prepare_linear_layers(model, quantization, device)  # what is left: the head
-    store_embeddings_compactly(model)  # after the LM head took its own copy of a tied table
+    tie_head_to_table_blocks(model, linear_kernels)
+    prepare_linear_layers(model, quantization, device)  # what is left: dense layers, the head
     return model.eval()
 
 
-def share_tied_head_blocks(model: nn.Module, quantization: str, device: torch.device) -> bool:
-    """Let a tied LM head read its embedding's 8-bit blocks instead of a copy of its own, where
-    the table is exactly such blocks (a GGUF Q8_0 table, as the default model's) and the CPU
-    kernel multiplies them against float activations as fast as a prepacked float32 weight: the
-    default model's float32 head was a 108 MiB copy of a table kept in 29 MiB. Same values; only
-    the order of the sums differs. Returns whether it did."""
+def _load_table(table: VocabParallelEmbedding, parts: WeightParts, kernels: LinearLayerKernels,
+                dtype: torch.dtype, device: torch.device) -> None:
+    blocks = kernels.embedding_blocks(parts)
+    if blocks is not None:
+        table.use_blocks(blocks)
+        return
+    expanded = torch.cat([tensor.dequantize(dtype) for _, tensor in sorted(parts, key=lambda part: part[0])])
+    table.weight.copy_(expanded.to(device))
+
+
+def tie_head_to_table_blocks(model: nn.Module, kernels: LinearLayerKernels) -> bool:
+    """A tied LM head of a table kept in blocks reads those blocks (`LinearLayerKernels.tied_head`)
+    or, where it needs a dense copy, gets the table expanded. Returns whether the head reads the
+    blocks."""
     head = getattr(model, "lm_head", None)
-    if device.type != "cpu" or type(head) is not nn.Linear or head.bias is not None:
+    if type(head) is not nn.Linear:
         return False
-    if not (quantization in ("int4", "int8") or (quantization == "none" and head.weight.dtype == torch.float32)):
-        return False  # bfloat16's head is a bfloat16 matrix product, faster than 8-bit blocks here
-    kernels = cpu_kernels()
-    if kernels is None or not kernels.q8_float_gemm():
+    table = next((m for m in model.modules() if isinstance(m, VocabParallelEmbedding) and m.blocks is not None
+                  and m.weight is head.weight), None)
+    if table is None:
         return False
-    embedding = next(
-        (m for m in model.modules() if isinstance(m, VocabParallelEmbedding) and m.weight is head.weight), None
-    )
-    if embedding is None or not embedding.store_as_8bit_blocks_if_exact():
-        return False
-    model.lm_head = BlockQuantLinear(head, bits=8, quantize_activations=False, blocks=(embedding.codes, embedding.scales))
-    return True
+    reader = kernels.tied_head(head, table.blocks)
+    if reader is not None:
+        model.lm_head = reader
+        return True
+    # Its own dense copy, prepared (or quantized) with the other layers.
+    head.weight = nn.Parameter(table.blocks.dequantize(head.weight.dtype), requires_grad=False)
+    return False

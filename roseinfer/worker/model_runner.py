@@ -151,7 +151,7 @@ class ModelRunner:
                 for req_id in scheduler_output.num_scheduled_tokens
             ])
         meta = inputs.meta
-        if self.fused_decoder is not None and not meta.prefills and self.fused_decoder.serves(meta.num_decode_tokens):
+        if self.fused_decoder is not None and not meta.prefills:
             # Every request decodes one token and samples it: the rows are the batch itself.
             logits = self.fused_decoder.forward(
                 inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_block_tables,

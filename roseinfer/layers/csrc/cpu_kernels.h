@@ -179,16 +179,6 @@ void paged_attention_sequence(const scalar_t* q, const cache_t* k_pool, const ca
                               int64_t block_size, int64_t head_dim, float scale, scalar_t* out,
                               std::vector<float>& scores, std::vector<float>& work);
 
-// out [M, N] = x [M, K] @ w.T for blocked weights (see quant_linear_cpu.cpp), in parallel over N.
-// xsums: scratch of at least M * K / 32 floats (q4 only).
-void q4_matmul(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* scales, const float* mins,
-               int64_t N, float* xsums, float* out);
-// quantize_x: on VNNI builds, quantize x to 8 bits per block of 32 and multiply bytes (faster where
-// converting codes bounds the product); off, float activations (exact; the LM head, which is bound
-// by reading its weights either way).
-void q8_matmul(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* scales, int64_t N,
-               float* out, bool quantize_x);
-
 // out [M, N] = x [M, K] @ w.T + bias for a weight packed by pack_panels (panel_linear_cpu.cpp), in
 // parallel over the panels; bias: nullptr, or float32 over the packed columns. Only where
 // panel_linear_dtypes() lists the type.
@@ -196,6 +186,21 @@ void panel_matmul(const float* x, int64_t M, int64_t K, const float* panels, int
                   const float* bias, int64_t N, float* out);
 void panel_matmul(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* panels, int64_t panel_count,
                   const float* bias, int64_t N, c10::BFloat16* out);
+
+// Every row of x [M, K] against one panel of pack_panels' layout ([K / S][48][S]), on the calling
+// thread: out[m * N + c] for the panel's first `columns` columns, float32 (unrounded).
+void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, float* out, int64_t N, int64_t columns);
+void panel_rows(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* panel, float* out, int64_t N,
+                int64_t columns);
+bool has_panel_kernel(c10::ScalarType dtype);
+constexpr int64_t kPanelWidth = 48;  // output columns per panel (panel_linear_cpu.cpp)
+
+// out [M, N] (rows ldo apart) = x [M, K] @ w.T for a GGUF-typed weight in the kernels' layout
+// (gguf_linear_cpu.cpp), in parallel over N. exact: float activations throughout (products of the
+// exact weights); else 8-bit activations for small batches (VNNI builds) and bfloat16 products for
+// large ones (builds with AVX512-BF16), as llama.cpp trades exactness for speed.
+void gguf_matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int64_t ldo,
+                 bool exact);
 
 // Rows begin .. end of x [rows, dim]: out = x / rms(x) * weight, the sum of squares in float
 // whatever the storage type (norm_cpu.cpp, and the fused decode step). x and out may not overlap.

@@ -10,9 +10,9 @@
 //
 // The activations are float32, or bfloat16 for a bfloat16 model, rounded where the op-by-op path
 // rounds them: every step calls the same row functions (cpu_kernels.h) and the same linear
-// kernels, blocked 4/8-bit weights (quant_linear_cpu.cpp, float32 activations) or weights packed
-// in panels (panel_linear_cpu.cpp), so the two paths agree up to summation order (the blocked
-// kernels and attention split their sums as they do op by op; a Qwen3 q/k norm runs in PyTorch there).
+// kernels, GGUF-typed blocks (gguf_linear_cpu.cpp, float32 activations) or weights packed in panels
+// (panel_linear_cpu.cpp), so the two paths agree up to summation order (attention splits its sums
+// as it does op by op; a Qwen3 q/k norm runs in PyTorch there).
 
 #include <torch/extension.h>
 
@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -33,70 +34,84 @@ using OptTensor = std::optional<torch::Tensor>;
 template <typename T>
 constexpr c10::ScalarType kDtype = std::is_same_v<T, float> ? torch::kFloat : torch::kBFloat16;
 
-// One linear layer [N, K]: 4-bit or 8-bit blocks (float32 activations), or float32 / bfloat16
-// weights packed in panels (activations of the weight's type).
+// One linear layer [N, K], as models/fused_decode.py describes it: (tensors, GGML types, bias,
+// exact). Blocks: one packed weight per type, stacked along N (gguf_linear_cpu.cpp; float32
+// activations); panels: (panels, panel_bias or nothing) from pack_panels with no types, weights of
+// the activations' type.
+using LinearSpec = std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>, OptTensor, bool>;
+
 struct DecodeLinear {
-  torch::Tensor codes, scales, mins, bias;  // blocks: mins for 4-bit only; bias float32 or undefined
-  torch::Tensor panels, panel_bias;         // panels: panel_bias float32 over the packed columns, or undefined
+  std::vector<torch::Tensor> parts;  // blocks
+  std::vector<int64_t> types;
+  torch::Tensor bias;                // blocks: float32 or undefined
+  bool exact = false;
+  torch::Tensor panels, panel_bias;  // panels: panel_bias float32 over the packed columns, or undefined
   int64_t N = 0, K = 0;
-  bool q4 = false;
-  bool quantize_x = true;  // 8-bit blocks: see q8_matmul (the head keeps float activations)
 
   DecodeLinear() = default;
-  // (codes, scales, mins, bias) of blocks, or (panels, panel_bias, None, None) from pack_panels.
-  DecodeLinear(const std::vector<OptTensor>& t, int64_t n, int64_t k, c10::ScalarType activations, const char* name)
+  DecodeLinear(const LinearSpec& spec, int64_t n, int64_t k, c10::ScalarType activations, const char* name)
       : N(n), K(k) {
-    TORCH_CHECK(t.size() == 4 && t[0] && t[0]->defined(), name, ": (codes, scales, mins, bias) or (panels, bias, None, None)");
-    const auto type = t[0]->scalar_type();
-    if (type == torch::kFloat || type == torch::kBFloat16) {
-      panels = t[0]->contiguous();
+    const auto& [tensors, ggml_types, bias_, exact_] = spec;
+    TORCH_CHECK(!tensors.empty(), name, ": no weight");
+    if (ggml_types.empty()) {
+      panels = tensors[0].contiguous();
+      const auto type = panels.scalar_type();
       TORCH_CHECK(type == activations, name, ": ", type, " panels in a ", activations, " model");
       TORCH_CHECK(panels.dim() == 4 && panels.size(0) * panels.size(2) >= N && panels.size(1) * panels.size(3) == K,
                   name, ": the packed panels are not of a [", N, ", ", K, "] weight");
-      if (t[1] && t[1]->defined()) {
-        panel_bias = t[1]->contiguous();
+      if (tensors.size() > 1 && tensors[1].defined()) {
+        panel_bias = tensors[1].contiguous();
         TORCH_CHECK(panel_bias.scalar_type() == torch::kFloat && panel_bias.numel() == panels.size(0) * panels.size(2),
                     name, ": the panel bias must be float32 over the packed columns");
       }
       return;
     }
-    TORCH_CHECK(activations == torch::kFloat, name, ": blocked weights take float32 activations");
-    TORCH_CHECK(t[1], name, ": blocks need their scales");
-    codes = t[0]->contiguous();
-    scales = t[1]->contiguous().to(torch::kFloat);
-    q4 = type == torch::kUInt8;
-    TORCH_CHECK(q4 || type == torch::kChar, name, ": codes must be uint8 (4-bit) or int8 (8-bit)");
-    TORCH_CHECK(codes.size(0) == N && (q4 ? codes.size(1) * 2 : codes.size(1)) == K, name,
-                ": the codes are not of a [", N, ", ", K, "] weight");
-    if (q4) {
-      TORCH_CHECK(t[2], name, ": 4-bit blocks need their minimums");
-      mins = t[2]->contiguous().to(torch::kFloat);
+    TORCH_CHECK(tensors.size() == ggml_types.size(), name, ": one GGML type per part");
+    int64_t rows = 0;
+    for (const auto& part : tensors) {
+      TORCH_CHECK(part.scalar_type() == torch::kUInt8 && part.dim() == 2 && part.is_contiguous(), name,
+                  ": packed blocks are contiguous uint8 matrices");
+      parts.push_back(part);
+      rows += part.size(0);
     }
-    if (t[3]) bias = t[3]->contiguous().to(torch::kFloat);
+    TORCH_CHECK(rows == N, name, ": the parts hold ", rows, " rows, not ", N);
+    types = ggml_types;
+    exact = exact_;
+    if (bias_) bias = bias_->contiguous().to(torch::kFloat);
   }
 
-  // out [M, N] = x [M, K] @ w.T (+ bias). xsums: scratch (4-bit blocks).
+  // out [M, N] = x [M, K] @ w.T (+ bias). scratch: float32 buffers for a bfloat16 model's blocks.
   template <typename T>
-  void apply(const T* x, int64_t M, T* out, std::vector<float>& xsums) const {
+  void apply(const T* x, int64_t M, T* out, std::vector<float>& x_scratch, std::vector<float>& out_scratch) const {
     if (panels.defined()) {
       roseinfer::panel_matmul(x, M, K, panels.data_ptr<T>(), panels.size(0),
                               panel_bias.defined() ? panel_bias.data_ptr<float>() : nullptr, N, out);
       return;
     }
+    const float* xf;
+    float* of;
     if constexpr (std::is_same_v<T, float>) {
-      if (q4) {
-        xsums.resize(M * K / 32);
-        roseinfer::q4_matmul(x, M, K, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), N,
-                             xsums.data(), out);
-      } else {
-        roseinfer::q8_matmul(x, M, K, codes.data_ptr<int8_t>(), scales.data_ptr<float>(), N, out, quantize_x);
-      }
-      if (bias.defined()) {
-        const float* b = bias.data_ptr<float>();
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = 0; n < N; ++n) out[m * N + n] += b[n];
-      }
+      xf = x;
+      of = out;
+    } else {
+      x_scratch.resize(M * K);
+      out_scratch.resize(M * N);
+      for (int64_t i = 0; i < M * K; ++i) x_scratch[i] = roseinfer::load_float(x + i);
+      xf = x_scratch.data();
+      of = out_scratch.data();
     }
+    int64_t first = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      roseinfer::gguf_matmul(static_cast<int>(types[i]), xf, M, K, parts[i].data_ptr<uint8_t>(), parts[i].size(0),
+                             of + first, N, exact);
+      first += parts[i].size(0);
+    }
+    const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        const float value = of[m * N + n] + (b ? b[n] : 0.0f);
+        roseinfer::store_float(out + m * N + n, value);
+      }
   }
 };
 
@@ -111,9 +126,12 @@ class LlamaDecoder {
  public:
   // vocab: the LM head's rows (this rank's). final_norm's dtype is the activations' (float32 or
   // bfloat16); the layers' tensors: see LlamaDecoder in models/fused_decode.py.
+  // (attn_norm, q_norm or None, k_norm or None, mlp_norm, qkv, o, gate_up, down): see models/fused_decode.py.
+  using LayerSpec = std::tuple<torch::Tensor, OptTensor, OptTensor, torch::Tensor, LinearSpec, LinearSpec, LinearSpec,
+                               LinearSpec>;
+
   LlamaDecoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, int64_t vocab,
-               double eps, torch::Tensor final_norm, std::vector<OptTensor> head,
-               std::vector<std::vector<OptTensor>> layers)
+               double eps, torch::Tensor final_norm, LinearSpec head, std::vector<LayerSpec> layers)
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate),
         eps_(static_cast<float>(eps)), dtype_(final_norm.scalar_type()) {
     TORCH_CHECK(dtype_ == torch::kFloat || dtype_ == torch::kBFloat16, "activations must be float32 or bfloat16, not ",
@@ -121,19 +139,18 @@ class LlamaDecoder {
     final_norm_ = final_norm.contiguous();
     const int64_t qkv_size = (heads + 2 * kv_heads) * head_dim;
     head_ = DecodeLinear(head, vocab, hidden, dtype_, "the LM head");
-    head_.quantize_x = false;  // bound by reading its weights: exact activations cost nothing here
-    auto norm = [&](const OptTensor& t) { return t->contiguous().to(dtype_); };
-    for (auto& t : layers) {
-      TORCH_CHECK(t.size() == 20, "a layer is 20 tensors (see LlamaDecoder in models/fused_decode.py)");
+    auto norm = [&](const torch::Tensor& t) { return t.contiguous().to(dtype_); };
+    for (const auto& spec : layers) {
+      const auto& [attn_norm, q_norm, k_norm, mlp_norm, qkv, o, gate_up, down] = spec;
       Layer layer;
-      layer.attn_norm = norm(t[0]);
-      layer.qkv = DecodeLinear({t[1], t[2], t[3], t[4]}, qkv_size, hidden, dtype_, "qkv_proj");
-      if (t[5]) layer.q_norm = norm(t[5]);
-      if (t[6]) layer.k_norm = norm(t[6]);
-      layer.o = DecodeLinear({t[7], t[8], t[9], t[10]}, hidden, heads * head_dim, dtype_, "o_proj");
-      layer.mlp_norm = norm(t[11]);
-      layer.gate_up = DecodeLinear({t[12], t[13], t[14], t[15]}, 2 * intermediate, hidden, dtype_, "gate_up_proj");
-      layer.down = DecodeLinear({t[16], t[17], t[18], t[19]}, hidden, intermediate, dtype_, "down_proj");
+      layer.attn_norm = norm(attn_norm);
+      if (q_norm) layer.q_norm = norm(*q_norm);
+      if (k_norm) layer.k_norm = norm(*k_norm);
+      layer.mlp_norm = norm(mlp_norm);
+      layer.qkv = DecodeLinear(qkv, qkv_size, hidden, dtype_, "qkv_proj");
+      layer.o = DecodeLinear(o, hidden, heads * head_dim, dtype_, "o_proj");
+      layer.gate_up = DecodeLinear(gate_up, 2 * intermediate, hidden, dtype_, "gate_up_proj");
+      layer.down = DecodeLinear(down, hidden, intermediate, dtype_, "down_proj");
       layers_.push_back(std::move(layer));
     }
   }
@@ -172,7 +189,7 @@ class LlamaDecoder {
     const T* rows = embedded.data_ptr<T>();
     std::vector<T> residual(rows, rows + B * H), normed(B * H), qkv(B * qkv_size), attn(B * q_size),
         mlp(B * 2 * I), act(B * I), out(B * H);
-    std::vector<float> xsums;
+    std::vector<float> xs, os;  // float32 scratch for a bfloat16 model's blocked layers
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
       if (l == 0) {
@@ -181,7 +198,7 @@ class LlamaDecoder {
         roseinfer::add_and_norm_rows_in_parallel(residual.data(), out.data(), layer.attn_norm.data_ptr<T>(),
                                                  normed.data(), B, H, eps_);
       }
-      layer.qkv.apply(normed.data(), B, qkv.data(), xsums);
+      layer.qkv.apply(normed.data(), B, qkv.data(), xs, os);
       at::parallel_for(0, B, roseinfer::kNormRowsPerTask, [&](int64_t begin, int64_t end) {
         std::vector<T> copy(layer.q_norm.defined() ? q_size : 0);
         for (int64_t b = begin; b < end; ++b) {
@@ -198,22 +215,18 @@ class LlamaDecoder {
         }
       });
       attend(qkv.data(), attn.data(), B, kv_caches[l], step);
-      layer.o.apply(attn.data(), B, out.data(), xsums);
+      layer.o.apply(attn.data(), B, out.data(), xs, os);
       roseinfer::add_and_norm_rows_in_parallel(residual.data(), out.data(), layer.mlp_norm.data_ptr<T>(),
                                                normed.data(), B, H, eps_);
-      layer.gate_up.apply(normed.data(), B, mlp.data(), xsums);
+      layer.gate_up.apply(normed.data(), B, mlp.data(), xs, os);
       roseinfer::silu_and_mul_in_parallel(mlp.data(), act.data(), I, B);
-      layer.down.apply(act.data(), B, out.data(), xsums);
+      layer.down.apply(act.data(), B, out.data(), xs, os);
     }
     roseinfer::add_and_norm_rows_in_parallel(residual.data(), out.data(), final_norm_.data_ptr<T>(), normed.data(), B,
                                              H, eps_);
-    if (head_.panels.defined()) {
-      torch::Tensor logits = torch::empty({B, head_.N}, torch::dtype(kDtype<T>));
-      head_.apply(normed.data(), B, logits.data_ptr<T>(), xsums);
-      return logits;
-    }
-    auto logits = torch::empty({B, head_.N}, torch::dtype(torch::kFloat));
-    if constexpr (std::is_same_v<T, float>) head_.apply(normed.data(), B, logits.data_ptr<float>(), xsums);
+    // Logits of the activations' dtype, as the op-by-op LM head returns them.
+    torch::Tensor logits = torch::empty({B, head_.N}, torch::dtype(kDtype<T>));
+    head_.apply(normed.data(), B, logits.data_ptr<T>(), xs, os);
     return logits;
   }
 
@@ -268,7 +281,7 @@ class LlamaDecoder {
 
 void bind_llama_decoder(pybind11::module& m) {
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor,
-                          std::vector<OptTensor>, std::vector<std::vector<OptTensor>>>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, LinearSpec,
+                          std::vector<LlamaDecoder::LayerSpec>>())
       .def("forward", &LlamaDecoder::forward, "one decode step: token embeddings -> logits (see the source's header)");
 }

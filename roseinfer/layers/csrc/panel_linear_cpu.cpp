@@ -61,9 +61,10 @@ constexpr int64_t kStep = std::is_same_v<T, float> ? 1 : 2;
 
 // out[r][c] = bias[c] + sum_k x[r][k] w[c][k] for R rows of x and one panel's `columns` columns.
 // Prefetches `prefetch_lines` cache lines from `prefetch` (a share of the next panel) on the way.
-template <typename T, int R>
+// O: the outputs' type, T (rounded once) or float32 (unrounded).
+template <typename T, int R, typename O = T>
 void panel_tile(const T* __restrict x, int64_t K, const T* __restrict panel, const float* __restrict bias,
-                const char* prefetch, int64_t prefetch_lines, T* __restrict out, int64_t N, int64_t columns) {
+                const char* prefetch, int64_t prefetch_lines, O* __restrict out, int64_t N, int64_t columns) {
   constexpr int64_t S = kStep<T>;
   __m512 acc[R][kPanelVectors];
   for (int v = 0; v < kPanelVectors; ++v) {
@@ -99,7 +100,7 @@ void panel_tile(const T* __restrict x, int64_t K, const T* __restrict panel, con
       const int64_t first = v * 16;
       if (first >= columns) break;
       const __mmask16 mask = columns - first >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (columns - first)) - 1);
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (std::is_same_v<O, float>) {
         _mm512_mask_storeu_ps(out + r * N + first, mask, acc[r][v]);
       } else {
 #if ROSEINFER_BF16_PANELS
@@ -141,6 +142,23 @@ void panel_pass(const T* x, int64_t M, int64_t K, const T* panels, int64_t panel
   });
 }
 
+// Every row of x against one packed panel, on the calling thread, float32 outputs: for callers
+// that build panels as they go (blocked weights expanded a panel at a time, gguf_linear_cpu.cpp).
+template <typename T>
+void panel_rows_impl(const T* x, int64_t M, int64_t K, const T* panel, float* out, int64_t N, int64_t columns) {
+  for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+    const T* xt = x + m0 * K;
+    float* ot = out + m0 * N;
+    switch (std::min(kTileRows, M - m0)) {
+#define ROSEINFER_TILE(R) \
+  case R: panel_tile<T, R, float>(xt, K, panel, nullptr, nullptr, 0, ot, N, columns); break;
+      ROSEINFER_TILE(1) ROSEINFER_TILE(2) ROSEINFER_TILE(3) ROSEINFER_TILE(4)
+      ROSEINFER_TILE(5) ROSEINFER_TILE(6) ROSEINFER_TILE(7) ROSEINFER_TILE(8)
+#undef ROSEINFER_TILE
+    }
+  }
+}
+
 #endif
 
 bool has_panels(c10::ScalarType dtype) {
@@ -177,6 +195,26 @@ void panel_matmul([[maybe_unused]] const c10::BFloat16* x, [[maybe_unused]] int6
     panel_pass(xs + m0 * K, std::min(kPassRows, M - m0), K, ws, panel_count, bias, N, os + m0 * N);
 #endif
 }
+
+void panel_rows([[maybe_unused]] const float* x, [[maybe_unused]] int64_t M, [[maybe_unused]] int64_t K,
+                [[maybe_unused]] const float* panel, [[maybe_unused]] float* out, [[maybe_unused]] int64_t N,
+                [[maybe_unused]] int64_t columns) {
+  TORCH_CHECK(has_panels(torch::kFloat), "this build has no float32 panel kernel");
+#if ROSEINFER_PANELS
+  panel_rows_impl(x, M, K, panel, out, N, columns);
+#endif
+}
+
+void panel_rows([[maybe_unused]] const c10::BFloat16* x, [[maybe_unused]] int64_t M, [[maybe_unused]] int64_t K,
+                [[maybe_unused]] const c10::BFloat16* panel, [[maybe_unused]] float* out,
+                [[maybe_unused]] int64_t N, [[maybe_unused]] int64_t columns) {
+  TORCH_CHECK(has_panels(torch::kBFloat16), "this build has no bfloat16 panel kernel");
+#if ROSEINFER_BF16_PANELS
+  panel_rows_impl(reinterpret_cast<const uint16_t*>(x), M, K, reinterpret_cast<const uint16_t*>(panel), out, N, columns);
+#endif
+}
+
+bool has_panel_kernel(c10::ScalarType dtype) { return has_panels(dtype); }
 
 }  // namespace roseinfer
 

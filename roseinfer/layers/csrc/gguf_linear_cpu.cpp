@@ -1,0 +1,451 @@
+// Linear layers on GGUF-typed weights, in the file's own codes: one driver over the block traits of
+// gguf_blocks.h, so a new type is a traits struct, not a new kernel.
+//
+// Two shapes of work:
+//   - Few rows (decode): each weight row is read once for a tile of up to 4 rows. With VNNI the
+//     activations are quantized once per call to 8 bits (a scale per 32 or per 256 values, stored
+//     in the weight type's order) and the traits' dot multiplies bytes, as llama.cpp does; without
+//     it, or where exact products are asked for, a weight row is expanded to float in cache and
+//     multiplied by float activations.
+//   - Many rows (prefill, large batches): the weight is expanded a panel of 48 rows at a time (the
+//     exact values, then bfloat16 where the CPU has bfloat16 dot products and exactness is not
+//     asked for) into the panel kernel's layout, and multiplied by every row at the panel kernel's
+//     throughput (panel_linear_cpu.cpp); the weight is never whole in float. Without AVX-512,
+//     blocks of rows are expanded to float32 and multiplied by PyTorch's matrix product.
+//
+// Weights are in the kernels' layout (gguf_pack): the file's bytes for 256-value types, groups of 4
+// blocks for the 32-value ones (see gguf_blocks.h).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cpu_kernels.h"
+#include "gguf_blocks.h"
+
+namespace {
+
+using namespace roseinfer::gguf;
+
+// Rows up to which the dot kernels serve; past it the weight is expanded into panels.
+constexpr int64_t kDotRows = 8;
+// Without panels: weight rows expanded to float32 at once for a matrix product (~2 MiB at K = 2048).
+constexpr int64_t kExpandRows = 256;
+
+template <typename Tr>
+int64_t units_of(int64_t K) {
+  return Tr::kSuperAct ? K / 256 : (K / 32 + kGroupBlocks - 1) / kGroupBlocks;
+}
+
+template <typename Tr>
+int64_t row_bytes(int64_t K) {
+  return units_of<Tr>(K) * Tr::kBytes;
+}
+
+template <typename Tr>
+void check_k(int64_t K) {
+  const int64_t block = Tr::kSuperAct ? 256 : 32;
+  TORCH_CHECK(K > 0 && K % block == 0, "a GGML type ", Tr::kType, " row needs a multiple of ", block,
+              " values, got ", K);
+}
+
+// The position of each natural index within a unit, the inverse of Tr::native.
+template <typename Tr>
+const std::array<uint16_t, Tr::kValues>& positions() {
+  static const auto table = [] {
+    std::array<uint16_t, Tr::kValues> p{};
+    for (int i = 0; i < Tr::kValues; ++i) p[Tr::native(i)] = static_cast<uint16_t>(i);
+    return p;
+  }();
+  return table;
+}
+
+// Row n's K values, exact, into out (units * kValues floats; padding blocks give zeros).
+template <typename Tr>
+inline void dequantize_row(const uint8_t* w, int64_t n, int64_t units, float* out) {
+  const uint8_t* row = w + n * units * Tr::kBytes;
+  for (int64_t u = 0; u < units; ++u) Tr::dequantize(row + u * Tr::kBytes, out + u * Tr::kValues);
+}
+
+// ------------------------------------------------------------------------------------------------
+// 8-bit activations
+// ------------------------------------------------------------------------------------------------
+
+struct ActivationBuffers {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int16_t> sums;
+};
+
+#if ROSEINFER_GGUF_VNNI
+// Rounds x * inverse to the nearest integer (ties to even), as llama.cpp's nearest_int.
+inline void quantize_run(const float* x, int64_t n, float inverse, int8_t* out) {
+  int64_t i = 0;
+  const __m512 inv = _mm512_set1_ps(inverse);
+  for (; i + 16 <= n; i += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv))));
+  for (; i < n; ++i) out[i] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
+}
+
+inline float max_abs(const float* x, int64_t n) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(x[i]));
+  return m;
+}
+
+template <typename Tr>
+Activations quantize_activations(const float* x, int64_t M, int64_t K, ActivationBuffers& buf) {
+  const int64_t units = units_of<Tr>(K), padded = units * Tr::kValues;
+  const auto& pos = positions<Tr>();
+  buf.q.assign(M * padded, 0);
+  int8_t natural[256];
+  if constexpr (Tr::kSuperAct) {
+    buf.d.assign(M * units, 0.0f);
+    buf.sums.assign(M * units * 16, 0);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t u = 0; u < units; ++u) {
+        const float* xu = x + m * K + u * 256;
+        const float amax = max_abs(xu, 256);
+        buf.d[m * units + u] = amax / 127.0f;
+        quantize_run(xu, 256, amax > 0.0f ? 127.0f / amax : 0.0f, natural);
+        int8_t* q = buf.q.data() + m * padded + u * 256;
+        int16_t* sums = buf.sums.data() + (m * units + u) * 16;
+        for (int i = 0; i < 256; ++i) {
+          q[pos[i]] = natural[i];
+          sums[i / 16] = static_cast<int16_t>(sums[i / 16] + natural[i]);
+        }
+      }
+    return {buf.q.data(), buf.d.data(), nullptr, buf.sums.data(), padded, units, units * 16};
+  } else {
+    const int64_t blocks = units * kGroupBlocks;
+    buf.d.assign(M * blocks, 0.0f);
+    buf.s.assign(M * blocks, 0.0f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const float* xb = x + m * K + b * 32;
+        const float amax = max_abs(xb, 32);
+        const float d = amax / 127.0f;
+        quantize_run(xb, 32, amax > 0.0f ? 127.0f / amax : 0.0f, natural);
+        int8_t* q = buf.q.data() + m * padded + b / kGroupBlocks * Tr::kValues;
+        const int first = static_cast<int>(b % kGroupBlocks) * 32;
+        int sum = 0;
+        for (int i = 0; i < 32; ++i) {
+          q[pos[first + i]] = natural[i];
+          sum += natural[i];
+        }
+        buf.d[m * blocks + b] = d;
+        buf.s[m * blocks + b] = d * static_cast<float>(sum);
+      }
+    return {buf.q.data(), buf.d.data(), buf.s.data(), nullptr, padded, blocks, 0};
+  }
+}
+#endif
+
+// Weight rows per parallel task: enough to amortise a task, few enough to keep every core busy.
+int64_t grain(int64_t N) { return std::max<int64_t>(8, N / (8 * at::get_num_threads())); }
+
+// Tiles of 4, 2 and 1 rows of x over weight rows [n0, n1): f(tile, m, n, results); row m of the
+// output starts at out + m * ldo.
+template <typename F>
+void over_rows(int64_t M, int64_t n0, int64_t n1, float* out, int64_t ldo, F&& f) {
+  float results[4];
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      f(std::integral_constant<int, 4>{}, m, n, results);
+      for (int t = 0; t < 4; ++t) out[(m + t) * ldo + n] = results[t];
+    }
+    for (; m + 2 <= M; m += 2) {
+      f(std::integral_constant<int, 2>{}, m, n, results);
+      for (int t = 0; t < 2; ++t) out[(m + t) * ldo + n] = results[t];
+    }
+    for (; m < M; ++m) {
+      f(std::integral_constant<int, 1>{}, m, n, results);
+      out[m * ldo + n] = results[0];
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The paths
+// ------------------------------------------------------------------------------------------------
+
+#if ROSEINFER_GGUF_VNNI
+template <typename Tr>
+void dot_matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int64_t ldo) {
+  thread_local ActivationBuffers buffers;
+  const Activations a = quantize_activations<Tr>(x, M, K, buffers);  // read by the pool's threads
+  const int64_t units = units_of<Tr>(K), bytes = units * Tr::kBytes;
+  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
+    over_rows(M, n0, n1, out, ldo, [&](auto tile, int64_t m, int64_t n, float* results) {
+      Tr::template dot<decltype(tile)::value>(w + n * bytes, units, a, m, results);
+    });
+  });
+}
+#endif
+
+// Float activations against each weight row expanded in cache: exact products.
+template <typename Tr>
+void float_rows_matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int64_t ldo) {
+  const int64_t units = units_of<Tr>(K);
+  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
+    std::vector<float> row(units * Tr::kValues);
+    float* r = row.data();
+    for (int64_t n = n0; n < n1; ++n) {
+      dequantize_row<Tr>(w, n, units, r);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = x + m * K;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t k = 0; k < K; ++k) sum += r[k] * xm[k];
+        out[m * ldo + n] = sum;
+      }
+    }
+  });
+}
+
+// The weight a panel of 48 rows at a time, expanded into the panel kernel's layout ([K / S][48][S]
+// of T), against every row of x (already of type T).
+template <typename Tr, typename T>
+void panel_matmul_blocks(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int64_t ldo) {
+  constexpr int64_t S = std::is_same_v<T, float> ? 1 : 2;
+  constexpr int64_t P = roseinfer::kPanelWidth;
+  const int64_t units = units_of<Tr>(K), panels = (N + P - 1) / P;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> row(units * Tr::kValues);
+    std::vector<T> panel(K * P);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t first = p * P, columns = std::min(P, N - first);
+      for (int64_t c = 0; c < P; ++c) {
+        if (c < columns) {
+          dequantize_row<Tr>(w, first + c, units, row.data());
+        } else {
+          std::fill(row.begin(), row.end(), 0.0f);
+        }
+        T* column = panel.data() + c * S;
+        for (int64_t s = 0; s < K / S; ++s)
+          for (int64_t j = 0; j < S; ++j) roseinfer::store_float(column + s * P * S + j, row[s * S + j]);
+      }
+      roseinfer::panel_rows(x, M, K, panel.data(), out + first, ldo, columns);
+    }
+  });
+}
+
+// Without panels: runs of weight rows expanded to float32, multiplied by PyTorch's matrix product.
+template <typename Tr>
+void expanded_matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int64_t ldo) {
+  const int64_t units = units_of<Tr>(K), padded = units * Tr::kValues;
+  auto xs = torch::from_blob(const_cast<float*>(x), {M, K});
+  auto result = torch::from_blob(out, {M, N}, {ldo, 1});
+  auto tile = torch::empty({std::min(kExpandRows, N), padded});
+  for (int64_t n0 = 0; n0 < N; n0 += kExpandRows) {
+    const int64_t rows = std::min(kExpandRows, N - n0);
+    float* t = tile.data_ptr<float>();
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) dequantize_row<Tr>(w, n0 + r, units, t + r * padded);
+    });
+    result.narrow(1, n0, rows).copy_(at::mm(xs, tile.narrow(0, 0, rows).narrow(1, 0, K).t()));
+  }
+}
+
+template <typename Tr>
+void matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int64_t ldo, bool exact) {
+  if (M > kDotRows) {
+    if (!exact && roseinfer::has_panel_kernel(torch::kBFloat16)) {
+      std::vector<c10::BFloat16> xb(M * K);
+      for (int64_t i = 0; i < M * K; ++i) roseinfer::store_float(xb.data() + i, x[i]);
+      panel_matmul_blocks<Tr>(xb.data(), M, K, w, N, out, ldo);
+    } else if (roseinfer::has_panel_kernel(torch::kFloat)) {
+      panel_matmul_blocks<Tr>(x, M, K, w, N, out, ldo);
+    } else {
+      expanded_matmul<Tr>(x, M, K, w, N, out, ldo);
+    }
+    return;
+  }
+#if ROSEINFER_GGUF_VNNI
+  if (!exact) {
+    dot_matmul<Tr>(x, M, K, w, N, out, ldo);
+    return;
+  }
+#endif
+  float_rows_matmul<Tr>(x, M, K, w, N, out, ldo);
+}
+
+template <typename F>
+void dispatch(int64_t type, F&& f) {
+  TORCH_CHECK(with_block_traits(static_cast<int>(type), std::forward<F>(f)), "GGML type ", type,
+              " has no kernel here (see gguf_types())");
+}
+
+void check_weight(const torch::Tensor& w, int64_t bytes_per_row) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
+              "a packed GGUF weight is a contiguous uint8 CPU matrix [N, row bytes]");
+  TORCH_CHECK(w.size(1) == bytes_per_row, "the packed weight has ", w.size(1), " bytes a row, its type needs ",
+              bytes_per_row);
+}
+
+}  // namespace
+
+namespace roseinfer {
+
+void gguf_matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int64_t ldo,
+                 bool exact) {
+  dispatch(type, [&](auto traits) { matmul<decltype(traits)>(x, M, K, w, N, out, ldo, exact); });
+}
+
+}  // namespace roseinfer
+
+// The types this build runs, as GGML type ids.
+std::vector<int64_t> gguf_types() {
+  std::vector<int64_t> types;
+  for (int t = 0; t < 64; ++t)
+    if (with_block_traits(t, [](auto) {})) types.push_back(t);
+  return types;
+}
+
+// "vnni" where the 8-bit dot products run, else "float" (exact products everywhere).
+std::string gguf_kernel_isa() { return ROSEINFER_GGUF_VNNI ? "avx512-vnni" : "float"; }
+
+int64_t gguf_row_bytes(int64_t type, int64_t K) {
+  int64_t bytes = 0;
+  dispatch(type, [&](auto traits) {
+    using Tr = decltype(traits);
+    check_k<Tr>(K);
+    bytes = row_bytes<Tr>(K);
+  });
+  return bytes;
+}
+
+// The file's rows [N, K / block * block bytes] -> the kernels' layout (the same tensor for 256-value
+// types; the 32-value types' blocks regrouped by 4).
+torch::Tensor gguf_pack(torch::Tensor raw, int64_t type, int64_t K) {
+  torch::Tensor packed;
+  dispatch(type, [&](auto traits) {
+    using Tr = decltype(traits);
+    check_k<Tr>(K);
+    TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2, "raw GGUF rows are a uint8 matrix");
+    if constexpr (Tr::kSuperAct) {
+      check_weight(raw.contiguous(), row_bytes<Tr>(K));
+      packed = raw.contiguous();
+    } else {
+      const int64_t blocks = K / 32, N = raw.size(0);
+      TORCH_CHECK(raw.size(1) == blocks * Tr::kRawBlockBytes, "raw rows of ", K, " values take ",
+                  blocks * Tr::kRawBlockBytes, " bytes, got ", raw.size(1));
+      auto src = raw.contiguous();
+      packed = torch::zeros({N, row_bytes<Tr>(K)}, raw.options());
+      const uint8_t* s = src.data_ptr<uint8_t>();
+      uint8_t* d = packed.data_ptr<uint8_t>();
+      const int64_t out_row = row_bytes<Tr>(K);
+      at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n)
+          for (int64_t b = 0; b < blocks; ++b)
+            Tr::pack_block(s + n * raw.size(1) + b * Tr::kRawBlockBytes,
+                           d + n * out_row + b / kGroupBlocks * Tr::kBytes, static_cast<int>(b % kGroupBlocks));
+      });
+    }
+  });
+  return packed;
+}
+
+// The kernels' layout back to the file's bytes.
+torch::Tensor gguf_unpack(torch::Tensor packed, int64_t type, int64_t K) {
+  torch::Tensor raw;
+  dispatch(type, [&](auto traits) {
+    using Tr = decltype(traits);
+    check_k<Tr>(K);
+    check_weight(packed, row_bytes<Tr>(K));
+    if constexpr (Tr::kSuperAct) {
+      raw = packed.clone();
+    } else {
+      const int64_t blocks = K / 32, N = packed.size(0);
+      raw = torch::empty({N, blocks * Tr::kRawBlockBytes}, packed.options());
+      const uint8_t* s = packed.data_ptr<uint8_t>();
+      uint8_t* d = raw.data_ptr<uint8_t>();
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t b = 0; b < blocks; ++b)
+          Tr::unpack_block(s + n * packed.size(1) + b / kGroupBlocks * Tr::kBytes,
+                           d + (n * blocks + b) * Tr::kRawBlockBytes, static_cast<int>(b % kGroupBlocks));
+    }
+  });
+  return raw;
+}
+
+// Rows `ids` (int64) of a packed [N, K] weight, exact, as float32 or bfloat16 (rounded once):
+// embedding lookups; with no ids, every row (the whole weight, --quantization none).
+torch::Tensor gguf_dequantize(torch::Tensor packed, int64_t type, int64_t K, c10::optional<torch::Tensor> ids,
+                              c10::ScalarType dtype) {
+  torch::Tensor out;
+  dispatch(type, [&](auto traits) {
+    using Tr = decltype(traits);
+    check_k<Tr>(K);
+    check_weight(packed, row_bytes<Tr>(K));
+    const int64_t N = packed.size(0), units = units_of<Tr>(K);
+    torch::Tensor index;
+    if (ids.has_value() && ids->defined()) {
+      index = ids->to(torch::kLong).contiguous();
+      TORCH_CHECK(index.numel() == 0 || (index.min().item<int64_t>() >= 0 && index.max().item<int64_t>() < N),
+                  "row ids out of range [0, ", N, ")");
+    } else {
+      index = torch::arange(N, torch::kLong);
+    }
+    const int64_t rows = index.numel();
+    TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16 || dtype == torch::kHalf,
+                "dequantize to float32, bfloat16 or float16");
+    out = torch::empty({rows, K}, torch::TensorOptions().dtype(dtype));
+    const int64_t* id = index.data_ptr<int64_t>();
+    const uint8_t* w = packed.data_ptr<uint8_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "gguf_dequantize", [&] {
+      scalar_t* o = out.data_ptr<scalar_t>();
+      at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+        std::vector<float> row(units * Tr::kValues);
+        for (int64_t r = r0; r < r1; ++r) {
+          dequantize_row<Tr>(w, id[r], units, row.data());
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            std::copy_n(row.data(), K, o + r * K);
+          } else {
+            for (int64_t k = 0; k < K; ++k) roseinfer::store_float(o + r * K + k, row[k]);
+          }
+        }
+      });
+    });
+  });
+  return out;
+}
+
+// x [..., K] (float32 or bfloat16) @ w.T (+ bias) for a weight in packed parts of GGML types, each
+// [N_i, K], stacked along N -> [..., sum N_i] of x's dtype.
+torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
+                          c10::optional<torch::Tensor> bias, bool exact) {
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "x must be a float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "one GGML type per packed part");
+  int64_t N = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    check_weight(parts[i], gguf_row_bytes(types[i], K));
+    N += parts[i].size(0);
+  }
+  auto rows = x.reshape({-1, K}).to(torch::kFloat).contiguous();
+  const int64_t M = rows.size(0);
+  auto out = torch::empty({M, N}, rows.options());
+  int64_t first = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    roseinfer::gguf_matmul(static_cast<int>(types[i]), rows.data_ptr<float>(), M, K, parts[i].data_ptr<uint8_t>(),
+                           parts[i].size(0), out.data_ptr<float>() + first, N, exact);
+    first += parts[i].size(0);
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "the bias has ", bias->numel(), " values for ", N, " outputs");
+    out.add_(bias->to(torch::kFloat));
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return out.reshape(sizes).to(x.scalar_type());
+}

@@ -1,0 +1,27 @@
+"""Random GGUF blocks of every type the kernels run, for tests: random bytes, with each block's
+float16 scales set to finite values of a realistic size (random bytes there would give NaNs and
+infinities, which no quantizer writes)."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+# Byte offsets of each type's float16 fields within a block (scales, super-scales, minimums).
+HALF_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,),
+}
+BLOCK_TYPES = tuple(HALF_FIELDS)
+
+
+def random_blocks(type_name: str, rows: int, columns: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
+    """[rows, bytes of a row] uint8: random blocks of `type_name` for a [rows, columns] weight."""
+    qtype = GGMLQuantizationType[type_name]
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * columns // block_values, block_bytes), dtype=np.uint8)
+    for offset in HALF_FIELDS[type_name]:
+        halves = (rng.standard_normal(blocks.shape[0]) * scale).astype(np.float16)
+        blocks[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
