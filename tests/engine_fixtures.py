@@ -22,7 +22,8 @@ PROMPT_TEXTS = [
 def default_llm():
     from roseinfer import LLM
 
-    return LLM(kv_cache_memory=0.5)
+    # Every weight expanded, exact products: what transformers computes (the token-exact tests).
+    return LLM(kv_cache_memory=0.5, quantization="none")
 
 
 @pytest.fixture(scope="session")

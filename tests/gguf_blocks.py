@@ -13,10 +13,19 @@ HALF_FIELDS = {
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,),
 }
 BLOCK_TYPES = tuple(HALF_FIELDS)
+# The size of a typical code times its sub-scale, per type: scales of 0.05 / this give weights of
+# about 0.05 (what a trained model's are), so random models stay numerically sane.
+TYPICAL_CODE = {
+    "Q4_0": 4, "Q4_1": 8, "Q5_0": 8, "Q5_1": 16, "Q8_0": 64, "IQ4_NL": 60,
+    "Q2_K": 12, "Q3_K": 32, "Q4_K": 256, "Q5_K": 512, "Q6_K": 1024, "IQ4_XS": 960,
+}
 
 
-def random_blocks(type_name: str, rows: int, columns: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
-    """[rows, bytes of a row] uint8: random blocks of `type_name` for a [rows, columns] weight."""
+def random_blocks(type_name: str, rows: int, columns: int, seed: int = 0, scale: float | None = None) -> np.ndarray:
+    """[rows, bytes of a row] uint8: random blocks of `type_name` for a [rows, columns] weight;
+    its float16 scales ~N(0, scale) (default: weights of about 0.05)."""
+    if scale is None:
+        scale = 0.05 / TYPICAL_CODE[type_name]
     qtype = GGMLQuantizationType[type_name]
     block_values, block_bytes = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)

@@ -53,6 +53,12 @@ def tiny_hf_model(kind: str, path: Path, seed: int = 0) -> torch.nn.Module:
             num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
             **common,
         )
+    elif kind == "llama-256":  # rows of 256 values: whole K-quant super-blocks
+        config = transformers.LlamaConfig(
+            hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+            **common,
+        )
     elif kind == "qwen2":
         config = transformers.Qwen2Config(
             hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
@@ -139,12 +145,16 @@ def _permute_qk(weight, num_heads: int):
     return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_llama_gguf(model, tokenizer_dir: Path, path: Path, arch: str, matrix_type: str) -> None:
+def write_llama_gguf(model, tokenizer_dir: Path, path: Path, arch: str, matrix_type: str,
+                     random_blocks: bool = False) -> None:
     """Save a transformers Llama-family model as GGUF: metadata, a gpt2-style BPE tokenizer and
-    every 2-D weight quantized to `matrix_type` (norms stay F32), as llama.cpp's converter does."""
+    every 2-D weight quantized to `matrix_type` (norms stay F32), as llama.cpp's converter does.
+    `random_blocks`: every 2-D weight is random blocks of the type instead (for the types gguf's
+    Python package cannot quantize: K-quants, IQ4_*), scaled to weights of ~0.05."""
     import gguf
     import numpy as np
     from gguf.quants import quantize
+    from gguf_blocks import random_blocks as random_weight
 
     config = model.config
     qtype = gguf.GGMLQuantizationType[matrix_type]
@@ -193,7 +203,10 @@ def write_llama_gguf(model, tokenizer_dir: Path, path: Path, arch: str, matrix_t
         array = tensor.float().numpy()
         if arch == "llama" and module_of(gguf_name) in ("attn_q", "attn_k"):
             array = _permute_qk(array, heads if module_of(gguf_name) == "attn_q" else kv_heads)
-        if array.ndim == 2:
+        if array.ndim == 2 and random_blocks:
+            blocks = random_weight(matrix_type, *array.shape, seed=len(gguf_name) + int(layer_of(gguf_name)))
+            writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+        elif array.ndim == 2:
             writer.add_tensor(gguf_name, quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array, dtype=np.float32))
@@ -201,6 +214,11 @@ def write_llama_gguf(model, tokenizer_dir: Path, path: Path, arch: str, matrix_t
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def layer_of(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    return parts[1] if parts[0] == "blk" else "99"
 
 
 def module_of(gguf_name: str) -> str:

@@ -51,7 +51,7 @@ def test_batch_invariance(default_llm, chat_prompt_ids, reference_outputs):
 
 
 def test_preemption_gives_the_same_output_and_frees_every_block(chat_prompt_ids, reference_outputs):
-    llm = LLM(num_kv_blocks=14, max_num_seqs=8)
+    llm = LLM(num_kv_blocks=14, max_num_seqs=8, quantization="none")
     outputs = llm.generate(prompt_token_ids=chat_prompt_ids, sampling_params=GREEDY, use_tqdm=False)
     engine = llm.engine
     assert engine.scheduler.stats.num_preemptions > 0, "the pool was meant to be too small"

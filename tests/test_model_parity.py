@@ -63,29 +63,28 @@ def test_default_model_logits_match_transformers(default_engine, hf_default_mode
     assert worst < TOLERANCE
 
 
-def test_embedding_tables_are_kept_as_8bit_blocks_only_where_exact(tmp_path):
-    """The default model's Q8_0 embedding is stored as its blocks (its float values come back
-    exactly: the token-exact tests above run through it, and through the tied LM head reading the
-    same blocks); a random float table stays as it is."""
-    from gguf import GGUFReader, dequantize
+def test_gguf_embedding_tables_keep_their_blocks(tmp_path):
+    """The default model's Q8_0 embedding is kept as its blocks in every mode: its rows come back
+    exactly as gguf's own code expands them (the token-exact tests run through it), and in float32
+    the tied LM head reads the same blocks (no copy). A Hugging Face float table stays as it is."""
+    from gguf import dequantize
 
     from roseinfer import LLM
-    from roseinfer.layers.cpu_kernels import cpu_kernels
-    from roseinfer.layers.parallel import VocabParallelEmbedding
+    from roseinfer.layers.linear import BlockLinear
     from roseinfer.models.default_model import default_model_path
+    from roseinfer.models.gguf_file import GGUFFile
 
-    model = LLM(kv_cache_memory=0.05).engine.runner.model
+    model = LLM(kv_cache_memory=0.05, quantization="none").engine.runner.model
     llm_embedding = model.model.embed_tokens
-    assert llm_embedding.codes is not None and llm_embedding.weight.numel() == 0
-    kernels = cpu_kernels()
-    if kernels is not None and kernels.q8_float_gemm():  # the tied head reads the same blocks: no copy
-        assert model.lm_head.codes.data_ptr() == llm_embedding.codes.data_ptr()
-        assert model.lm_head.scales.data_ptr() == llm_embedding.scales.data_ptr()
-    tensor = next(t for t in GGUFReader(default_model_path()).tensors if t.name == "token_embd.weight")
-    table = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).float()  # gguf's own reading
+    assert llm_embedding.blocks is not None and llm_embedding.weight.numel() == 0
+    assert isinstance(model.lm_head, BlockLinear) and model.lm_head.exact  # none: exact products
+    assert model.lm_head.parts[0].packed.data_ptr() == llm_embedding.blocks.packed.data_ptr()
+    gguf = GGUFFile(default_model_path())
+    raw = gguf.tensor("token_embd.weight")
+    table = torch.from_numpy(dequantize(raw.data.numpy(), raw.qtype).copy()).float()  # gguf's own reading
     ids = torch.tensor([0, 1, 17, 9000, table.shape[0] - 1])
     assert torch.equal(llm_embedding(ids), table[ids])
 
-    random_table = VocabParallelEmbedding(64, 32)
-    random_table.weight.data.normal_()
-    assert not random_table.store_as_8bit_blocks_if_exact() and random_table.codes is None
+    tiny_hf_model("llama", tmp_path / "hf")
+    hf_model = LLM(str(tmp_path / "hf"), kv_cache_memory=0.05).engine.runner.model
+    assert hf_model.model.embed_tokens.blocks is None and hf_model.model.embed_tokens.weight.numel() > 0

@@ -75,7 +75,7 @@ def test_perplexity_of_the_default_model_matches_transformers(hf_default_model, 
     chunk = context_chunks(default_engine.tokenizer.encode(text, add_special_tokens=True), n_ctx, max_chunks=1)[0]
     span = ScoredSpan(n_ctx)
     ours = ScoreAccumulator()
-    assert default_engine.dtype == torch.float32 and default_engine.config.quantization == "none"
+    assert default_engine.dtype == torch.float32 and default_engine.config.quantization == "none"  # exact
     model = ChunkLogits(default_engine.model, default_engine.model_config, default_engine.device, torch.float32, n_ctx)
     ours.add(log_probs(model(chunk, span.logit_rows)), torch.tensor(chunk[span.target_positions]))
 

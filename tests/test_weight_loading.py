@@ -25,7 +25,8 @@ def test_modules_are_reported_when_complete_and_then_let_go():
     reported: list[str] = []
     old_weight = weakref.ref(model.qkv.weight)
 
-    def replace(name: str) -> None:
+    def replace(name: str, blocks: dict) -> None:
+        assert blocks == {}  # dense tensors: nothing kept in blocks
         reported.append(name)
         if name == "qkv":  # as the engine does: the layer swapped for another holding a copy
             model.qkv = nn.Identity()

@@ -30,7 +30,7 @@ def _linear(layer: nn.Module) -> LinearSpec:
     if isinstance(layer, PanelLinear):
         panels = [layer.panels] + ([layer.panel_bias] if layer.panel_bias is not None else [])
         return panels, [], None, False
-    return [p.packed for p in layer.parts], [int(t) for t in layer.qtypes], layer.bias, layer.exact
+    return [p.packed for p in layer.parts], [p.kernel_type for p in layer.parts], layer.bias, layer.exact
 
 
 def _callable(layer: nn.Module, dtype: torch.dtype) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from roseinfer.errors import ModelLoadError
 from roseinfer.layers.quantization.gguf import (
@@ -23,6 +23,7 @@ from roseinfer.layers.quantization.gguf import (
     numpy_view,
     supported_type_names,
 )
+from roseinfer.models.gguf_header import GGUFHeader, TensorInfo
 
 # Types roseinfer runs (dense ones as torch tensors, block ones in their own kernels); anything
 # else is a clear error naming the tensor.
@@ -30,22 +31,35 @@ SUPPORTED_TENSOR_TYPES = frozenset((*DENSE_TYPES, *BLOCK_TYPES))
 
 
 class GGUFFile:
-    """A GGUF file opened with the `gguf` package (memory-mapped, nothing copied until asked)."""
+    """A GGUF file: its header parsed at once, its tensor data memory-mapped (nothing is read or
+    copied until asked)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         try:
-            self._reader = GGUFReader(str(self.path))
-        except Exception as exc:  # gguf raises ValueError/struct errors on bad files
+            header = GGUFHeader.read(self.path)
+        except Exception as exc:  # a truncated, foreign or corrupt file
             raise ModelLoadError(f"{self.path} is not a readable GGUF file: {exc}") from exc
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._tensors: dict[str, TensorInfo] = {t.name: t for t in header.tensors}
         # Every key/value pair: strings as str, numbers as int/float, arrays as lists.
-        self.metadata: dict[str, Any] = {
-            key: field.contents() for key, field in self._reader.fields.items() if not key.startswith("GGUF.")
-        }
-        # The reader's parsed fields hold a numpy view per vocabulary string (~150 MB for a 49k
-        # vocabulary), which would stay alive through the whole weight load.
-        self._reader.fields = {}
+        self.metadata: dict[str, Any] = header.metadata
+        self._map: np.memmap | None = None
+
+    def _data(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes in the memory map: [rows, bytes of a row] (a vector: one row)."""
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        qtype = GGMLQuantizationType(info.ggml_type)
+        block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+        row_values = info.dims[0]
+        rows = int(np.prod(info.dims[1:], dtype=np.int64)) if len(info.dims) > 1 else 1
+        if row_values % block_values:
+            raise ModelLoadError(f"{self.path}: tensor {info.name!r} has rows of {row_values} values, not whole "
+                                 f"{qtype.name} blocks of {block_values}")
+        row_bytes = row_values // block_values * block_bytes
+        if info.offset + rows * row_bytes > self._map.shape[0]:
+            raise ModelLoadError(f"{self.path}: tensor {info.name!r} runs past the end of the file (truncated?)")
+        return self._map[info.offset : info.offset + rows * row_bytes].reshape(rows, row_bytes)
 
     @property
     def architecture(self) -> str:
@@ -58,30 +72,34 @@ class GGUFFile:
         return name in self._tensors
 
     def tensor_type(self, name: str) -> GGMLQuantizationType:
-        return GGMLQuantizationType(self._tensors[name].tensor_type)
+        return GGMLQuantizationType(self._tensors[name].ggml_type)
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """The shape in PyTorch order (GGUF lists the fastest-moving dimension first)."""
-        return tuple(int(d) for d in reversed(self._tensors[name].shape))
+        return tuple(int(d) for d in reversed(self._tensors[name].dims))
 
     def tensor(self, name: str) -> torch.Tensor | BlockTensor:
         """The tensor as the file stores it, in PyTorch shape order: a dense one as a torch view of
         the memory map (read-only: copy it before writing), a block one as its rows of blocks."""
-        tensor = self._tensors.get(name)
-        if tensor is None:
+        info = self._tensors.get(name)
+        if info is None:
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
-        qtype = GGMLQuantizationType(tensor.tensor_type)
+        try:
+            qtype = GGMLQuantizationType(info.ggml_type)
+        except ValueError:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} has an unknown GGML type {info.ggml_type}") from None
         if qtype not in SUPPORTED_TENSOR_TYPES:
             raise ModelLoadError(
                 f"{self.path}: tensor {name!r} is stored as GGML type {qtype.name}, "
                 f"which roseinfer cannot run (supported: {supported_type_names()})"
             )
         shape = self.tensor_shape(name)
-        data = tensor.data  # a view of the memory map: [rows, bytes of a row] for block types
+        data = self._data(info)
         if qtype in DENSE_TYPES:
-            if qtype == GGMLQuantizationType.BF16:  # numpy has no bfloat16: its bits as int16
-                return numpy_view(data.view(np.int16).reshape(shape)).view(torch.bfloat16)
-            return numpy_view(data.reshape(shape))
+            dtype = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+                     GGMLQuantizationType.BF16: np.int16}[qtype]  # numpy has no bfloat16: its bits
+            values = numpy_view(data.view(dtype).reshape(shape))
+            return values.view(torch.bfloat16) if qtype == GGMLQuantizationType.BF16 else values
         if len(shape) == 1:  # a vector in blocks (rare): its values
             return self._expanded(BlockTensor(qtype, numpy_view(data.reshape(1, -1)), shape[0])).reshape(shape)
         rows = int(np.prod(shape[:-1]))
@@ -95,7 +113,7 @@ class GGUFFile:
         if isinstance(tensor, BlockTensor):
             return self._expanded(tensor).reshape(self.tensor_shape(name))
         values = tensor.to(torch.float32, copy=True)
-        _release_mapped_pages(self._tensors[name].data)
+        _release_mapped_pages(self._data(self._tensors[name]))
         return values
 
     @staticmethod

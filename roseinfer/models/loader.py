@@ -11,7 +11,7 @@ import functools
 import gc
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ class ModelSource:
     path: Path
     tokenizer_dir: Path | None
     name: str  # what /v1/models shows by default
+    _gguf: GGUFFile | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def resolve(cls, model: str | None, tokenizer: str | None = None) -> ModelSource:
@@ -83,18 +84,25 @@ class ModelSource:
             f"{'/'.join(_CHECKPOINT_SUFFIXES)} checkpoint)"
         )
 
+    def gguf(self) -> GGUFFile:
+        """The GGUF file, its header parsed once per source (tokenizer, configuration and weights
+        all read it)."""
+        if self._gguf is None:
+            self._gguf = GGUFFile(self.path)
+        return self._gguf
+
     def tokenizer(self) -> Tokenizer:
         if self.tokenizer_dir is not None:
             return Tokenizer.from_pretrained_dir(self.tokenizer_dir)
         if self.kind == "hf":
             return Tokenizer.from_pretrained_dir(self.path)
-        return Tokenizer.from_gguf_metadata(GGUFFile(self.path).metadata)
+        return Tokenizer.from_gguf_metadata(self.gguf().metadata)
 
     def model_config(self) -> ModelConfig:
         if self.kind == "hf":
             return model_config_from_hf(self.path)
         if self.kind == "gguf":
-            return model_config_from_gguf(GGUFFile(self.path))
+            return model_config_from_gguf(self.gguf())
         config, _ = load_seed_checkpoint(self.path)
         eos = self.tokenizer().eos_token_id
         config.eos_token_ids = [eos] if eos is not None else []
@@ -105,7 +113,7 @@ class ModelSource:
         if self.kind == "hf":
             return _safetensors_weights(self.path)
         if self.kind == "gguf":
-            return gguf_weights(GGUFFile(self.path), config)
+            return gguf_weights(self.gguf(), config)
         _, state_dict = load_seed_checkpoint(self.path)
         return seed_weights(state_dict)
 

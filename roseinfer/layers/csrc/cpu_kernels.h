@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -201,6 +202,8 @@ constexpr int64_t kPanelWidth = 48;  // output columns per panel (panel_linear_c
 // large ones (builds with AVX512-BF16), as llama.cpp trades exactness for speed.
 void gguf_matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int64_t ldo,
                  bool exact);
+// Fails with a message unless `part` is a packed weight of kernel type `type` with rows of K values.
+void gguf_check(const torch::Tensor& part, int64_t type, int64_t K);
 
 // Rows begin .. end of x [rows, dim]: out = x / rms(x) * weight, the sum of squares in float
 // whatever the storage type (norm_cpu.cpp, and the fused decode step). x and out may not overlap.

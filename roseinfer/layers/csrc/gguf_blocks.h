@@ -84,9 +84,10 @@ inline int q4k_native(int p) {
 // per 32 (Q8_0-like) or per 256 (Q8_K-like), and per-run sums of the codes.
 struct Activations {
   const int8_t* q;
-  const float* d;       // per scale unit
-  const float* s;       // per 32 values (Q8_0-like): d * sum of the block's codes
-  const int16_t* sums;  // per 16 values, natural order (Q8_K-like)
+  const float* d;         // per scale unit
+  const float* s;         // per 32 values (Q8_0-like): d * sum of the block's codes
+  const int32_t* sums32;  // per 32 values (Q8_0-like): sum of the block's codes
+  const int16_t* sums;    // per 16 values, natural order (Q8_K-like)
   int64_t q_stride, d_stride, sums_stride;
 };
 
@@ -176,13 +177,45 @@ struct GroupTraits {
     return Min ? q : q - kOffset;  // Q4_0 / Q5_0 centre their codes
   }
 
+  // Loops of 16 values under one scale, which the compiler vectorises.
   ROSEINFER_EXACT static void dequantize(const uint8_t* group, float* out) {
     for (int b = 0; b < kGroupBlocks; ++b) {
       const float d = half(group + kScaleOffset + 2 * b);
       const float m = Min ? half(group + kMinOffset + 2 * b) : 0.0f;
-      for (int j = 0; j < 32; ++j) {
-        const float q = static_cast<float>(code(group, b, j));
-        out[b * 32 + j] = Min ? d * q + m : (C == Codes::kInt8 ? q * d : d * q);
+      float* o = out + b * 32;
+      if constexpr (C == Codes::kInt8) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(group) + b * 32;
+        for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(q[j]) * d;
+      } else if constexpr (C == Codes::kIQ4) {
+        const uint8_t* q = group + b * 16;
+        for (int j = 0; j < 16; ++j) {
+          o[j] = d * static_cast<float>(kIQ4Values[q[j] & 0x0F]);
+          o[j + 16] = d * static_cast<float>(kIQ4Values[q[j] >> 4]);
+        }
+      } else {
+        const uint8_t* q = group + b * 16;
+        uint32_t high_lo = 0, high_hi = 0;  // 5-bit types: bit j of each is value j's (j + 16's) fifth bit
+        if constexpr (C == Codes::kNibblesHigh) {
+          uint64_t lo, hi;
+          std::memcpy(&lo, group + kMaskOffset, 8);
+          std::memcpy(&hi, group + kMaskOffset + 8, 8);
+          high_lo = static_cast<uint32_t>(lo >> (16 * b)) & 0xFFFF;
+          high_hi = static_cast<uint32_t>(hi >> (16 * b)) & 0xFFFF;
+        }
+        for (int j = 0; j < 16; ++j) {
+          int low = q[j] & 0x0F, high = q[j] >> 4;
+          if constexpr (C == Codes::kNibblesHigh) {
+            low |= static_cast<int>((high_lo >> j) & 1) << 4;
+            high |= static_cast<int>((high_hi >> j) & 1) << 4;
+          }
+          if constexpr (Min) {
+            o[j] = d * static_cast<float>(low) + m;
+            o[j + 16] = d * static_cast<float>(high) + m;
+          } else {
+            o[j] = d * static_cast<float>(low - kOffset);
+            o[j + 16] = d * static_cast<float>(high - kOffset);
+          }
+        }
       }
     }
   }
@@ -356,12 +389,12 @@ struct Q2_K : SuperTraits {
   ROSEINFER_EXACT static void dequantize(const uint8_t* b, float* out) {
     const uint8_t *scales = b, *qs = b + 16;
     const float d = half(b + 80), dmin = half(b + 82);
-    for (int i = 0; i < 256; ++i) {
-      const int h = i / 128, s = (i % 128) / 32, l = i % 32;
-      const float q = static_cast<float>((qs[h * 32 + l] >> (2 * s)) & 3);
-      const float dl = d * static_cast<float>(scales[i / 16] & 0xF);
-      const float ml = dmin * static_cast<float>(scales[i / 16] >> 4);
-      out[i] = dl * q - ml;
+    for (int run = 0; run < 16; ++run) {  // runs of 16 values under one scale
+      const int h = run / 8, s = (run % 8) / 2, first = (run % 2) * 16;
+      const float dl = d * static_cast<float>(scales[run] & 0xF);
+      const float ml = dmin * static_cast<float>(scales[run] >> 4);
+      const uint8_t* q = qs + h * 32 + first;
+      for (int l = 0; l < 16; ++l) out[run * 16 + l] = dl * static_cast<float>((q[l] >> (2 * s)) & 3) - ml;
     }
   }
 #if ROSEINFER_GGUF_VNNI
@@ -419,12 +452,14 @@ struct Q3_K : SuperTraits {
     int8_t sc[16];
     scales(b + 96, sc);
     const float d = half(b + 108);
-    for (int i = 0; i < 256; ++i) {
-      const int h = i / 128, s = (i % 128) / 32, l = i % 32;
-      const int low = (qs[h * 32 + l] >> (2 * s)) & 3;
-      const int high = (hmask[l] >> (i / 32)) & 1;
-      const float dl = d * static_cast<float>(sc[i / 16]);
-      out[i] = dl * static_cast<float>(low - (high ? 0 : 4));
+    for (int run = 0; run < 16; ++run) {  // runs of 16 values under one scale
+      const int h = run / 8, s = (run % 8) / 2, first = (run % 2) * 16, bit = run / 2;
+      const float dl = d * static_cast<float>(sc[run]);
+      const uint8_t *q = qs + h * 32 + first, *hm = hmask + first;
+      for (int l = 0; l < 16; ++l) {
+        const int low = (q[l] >> (2 * s)) & 3, high = (hm[l] >> bit) & 1;
+        out[run * 16 + l] = dl * static_cast<float>(low - 4 + 4 * high);
+      }
     }
   }
 #if ROSEINFER_GGUF_VNNI
@@ -476,12 +511,15 @@ struct Q4_K : SuperTraits {
     k_scale_min(b + 4, sc, mn);
     const float d = half(b), dmin = half(b + 2);
     const uint8_t* qs = b + 16;
-    for (int i = 0; i < 256; ++i) {
-      const int j = i / 64, l = i % 64;
-      const int q = l < 32 ? (qs[j * 32 + l] & 0x0F) : (qs[j * 32 + l - 32] >> 4);
-      const float dd = d * static_cast<float>(sc[i / 32]);
-      const float dm = dmin * static_cast<float>(mn[i / 32]);
-      out[i] = dd * static_cast<float>(q) - dm;
+    for (int j = 0; j < 4; ++j) {  // 64 values: 32 in the low nibbles, 32 in the high ones
+      const float dd0 = d * static_cast<float>(sc[2 * j]), dm0 = dmin * static_cast<float>(mn[2 * j]);
+      const float dd1 = d * static_cast<float>(sc[2 * j + 1]), dm1 = dmin * static_cast<float>(mn[2 * j + 1]);
+      const uint8_t* q = qs + j * 32;
+      float* o = out + j * 64;
+      for (int l = 0; l < 32; ++l) {
+        o[l] = dd0 * static_cast<float>(q[l] & 0x0F) - dm0;
+        o[l + 32] = dd1 * static_cast<float>(q[l] >> 4) - dm1;
+      }
     }
   }
 #if ROSEINFER_GGUF_VNNI
@@ -551,13 +589,17 @@ struct Q5_K : SuperTraits {
     k_scale_min(b + 4, sc, mn);
     const float d = half(b), dmin = half(b + 2);
     const uint8_t *qh = b + 16, *qs = b + 48;
-    for (int i = 0; i < 256; ++i) {
-      const int j = i / 64, l = i % 64;
-      const int low = l < 32 ? (qs[j * 32 + l] & 0x0F) : (qs[j * 32 + l - 32] >> 4);
-      const int q = low | (((qh[i % 32] >> (i / 32)) & 1) << 4);
-      const float dd = d * static_cast<float>(sc[i / 32]);
-      const float dm = dmin * static_cast<float>(mn[i / 32]);
-      out[i] = dd * static_cast<float>(q) - dm;
+    for (int j = 0; j < 4; ++j) {
+      const float dd0 = d * static_cast<float>(sc[2 * j]), dm0 = dmin * static_cast<float>(mn[2 * j]);
+      const float dd1 = d * static_cast<float>(sc[2 * j + 1]), dm1 = dmin * static_cast<float>(mn[2 * j + 1]);
+      const uint8_t* q = qs + j * 32;
+      float* o = out + j * 64;
+      for (int l = 0; l < 32; ++l) {
+        const int low = (q[l] & 0x0F) | (((qh[l] >> (2 * j)) & 1) << 4);
+        const int high = (q[l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4);
+        o[l] = dd0 * static_cast<float>(low) - dm0;
+        o[l + 32] = dd1 * static_cast<float>(high) - dm1;
+      }
     }
   }
 #if ROSEINFER_GGUF_VNNI
@@ -575,12 +617,15 @@ struct Q6_K : SuperTraits {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const float d = half(b + 208);
-    for (int i = 0; i < 256; ++i) {
-      const int h = i / 128, r = i % 128;
-      const int low = r < 64 ? (ql[h * 64 + r] & 0x0F) : (ql[h * 64 + r - 64] >> 4);
-      const int high = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 3;
-      const float dd = d * static_cast<float>(sc[i / 16]);
-      out[i] = dd * static_cast<float>((low | (high << 4)) - 32);
+    for (int run = 0; run < 16; ++run) {  // runs of 16 values under one scale
+      const int h = run / 8, r = (run % 8) * 16, s = r / 32;
+      const float dd = d * static_cast<float>(sc[run]);
+      const uint8_t *l4 = ql + h * 64 + r % 64, *h2 = qh + h * 32 + r % 32;
+      const int nibble = r < 64 ? 0 : 4;
+      for (int l = 0; l < 16; ++l) {
+        const int low = (l4[l] >> nibble) & 0x0F, high = (h2[l] >> (2 * s)) & 3;
+        out[run * 16 + l] = dd * static_cast<float>((low | (high << 4)) - 32);
+      }
     }
   }
 #if ROSEINFER_GGUF_VNNI

@@ -68,11 +68,10 @@ struct DecodeLinear {
     }
     TORCH_CHECK(tensors.size() == ggml_types.size(), name, ": one GGML type per part");
     int64_t rows = 0;
-    for (const auto& part : tensors) {
-      TORCH_CHECK(part.scalar_type() == torch::kUInt8 && part.dim() == 2 && part.is_contiguous(), name,
-                  ": packed blocks are contiguous uint8 matrices");
-      parts.push_back(part);
-      rows += part.size(0);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      roseinfer::gguf_check(tensors[i], ggml_types[i], K);
+      parts.push_back(tensors[i]);
+      rows += tensors[i].size(0);
     }
     TORCH_CHECK(rows == N, name, ": the parts hold ", rows, " rows, not ", N);
     types = ggml_types;

@@ -147,8 +147,8 @@ class BlockTensor:
         kernels = block_kernels()
         data = self.row_bytes()
         if kernels is not None and self.qtype in BLOCK_TYPES:
-            packed = kernels.gguf_pack(data, int(self.qtype), self.columns)
-            values = kernels.gguf_dequantize(packed, int(self.qtype), self.columns, None, dtype)
+            packed, kernel_type = kernels.gguf_pack(data, int(self.qtype), self.columns)
+            values = kernels.gguf_dequantize(packed, kernel_type, self.columns, None, dtype)
         else:
             from gguf.quants import dequantize
 
@@ -175,11 +175,14 @@ def is_blocks(tensor: object) -> bool:
 
 @dataclass(frozen=True)
 class PackedBlocks:
-    """One weight in the kernels' layout: uint8 [rows, packed bytes of a row]."""
+    """One weight in the kernels' layout: uint8 [rows, packed bytes of a row], and the id the C++
+    kernels know that layout by (`kernel_type`: the GGML type's, or its 8-row interleaved
+    layout's; see csrc/gguf_interleaved.h)."""
 
     qtype: GGMLQuantizationType
     packed: torch.Tensor
     columns: int
+    kernel_type: int
 
     @property
     def rows(self) -> int:
@@ -192,17 +195,17 @@ class PackedBlocks:
             raise ModelLoadError("GGUF blocks need roseinfer's C++ CPU kernels, which could not be built here")
         if tensor.qtype not in BLOCK_TYPES:
             raise ModelLoadError(f"no kernel runs GGML type {tensor.qtype.name}; roseinfer runs {supported_type_names()}")
-        packed = kernels.gguf_pack(tensor.row_bytes(), int(tensor.qtype), tensor.columns)
+        packed, kernel_type = kernels.gguf_pack(tensor.row_bytes(), int(tensor.qtype), tensor.columns)
         if packed.data_ptr() != tensor.data.data_ptr() and tensor.release is not None:
             tensor.release()  # repacked: the file's pages are not needed any more
-        return cls(tensor.qtype, packed, tensor.columns)
+        return cls(tensor.qtype, packed, tensor.columns, kernel_type)
 
     def rows_of(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids`, exact (embedding lookups)."""
-        return block_kernels().gguf_dequantize(self.packed, int(self.qtype), self.columns, ids, dtype)
+        return block_kernels().gguf_dequantize(self.packed, self.kernel_type, self.columns, ids, dtype)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return block_kernels().gguf_dequantize(self.packed, int(self.qtype), self.columns, None, dtype)
+        return block_kernels().gguf_dequantize(self.packed, self.kernel_type, self.columns, None, dtype)
 
 
 def pack_parts(parts: Sequence[BlockTensor]) -> list[PackedBlocks]:
@@ -256,7 +259,7 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernels.gguf_linear(
-            x, [p.packed for p in self.parts], [int(p.qtype) for p in self.parts], self.bias, self.exact
+            x, [p.packed for p in self.parts], [p.kernel_type for p in self.parts], self.bias, self.exact
         )
 
     def extra_repr(self) -> str:

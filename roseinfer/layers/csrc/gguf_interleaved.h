@@ -1,0 +1,330 @@
+// Interleaved layouts for the hot GGUF types: the same blocks, 8 weight rows side by side, so that
+// one 64-byte load holds 8 bytes of each of 8 rows and one VPDPBUSD multiplies all 8 rows by the
+// same 8 activation bytes (broadcast). Against the row layout (gguf_blocks.h) this shares the
+// activation loads, the unpacking of codes and the float work of scales across 8 rows, and needs
+// no horizontal sum per output. llama.cpp repacks Q4_0 / Q4_K / IQ4_NL the same way on x86
+// ("8x8"); these are AVX-512 kernels of our own over that idea.
+//
+// A unit is 8 rows' unit of the row layout (`Row`); `gather` gives one row's unit back in the row
+// layout, so exact expansion (embedding rows, prefill panels) reuses Row::dequantize. The lanes of
+// a result vector: row r in lanes 2r and 2r + 1 (each of the 8 bytes of a row is 2 dword lanes of
+// VPDPBUSD), summed at the end. Activations are in natural order.
+//
+// A layout's kernel type id is the GGML type id + kInterleaved (see gguf_linear_cpu.cpp).
+
+#pragma once
+
+#include "gguf_blocks.h"
+
+namespace roseinfer::gguf {
+
+constexpr int kInterleaved = 256;  // kernel type id = GGML type + this
+constexpr int kRows = 8;           // rows side by side
+
+#if ROSEINFER_GGUF_VNNI
+inline __m512i broadcast8(const int8_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm512_set1_epi64(v);
+}
+
+// 8 float16 values (one per row) as 16 lanes, each row's value in its two lanes.
+inline __m512 row_pairs(const uint8_t* halves) {
+  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                               _mm512_castps256_ps512(v));
+}
+
+// 8 unsigned bytes (one per row) as 16 int32 lanes: both lanes of a row (`both`), or its first
+// lane only (the second 0), for a term to be counted once per row.
+template <bool both>
+inline __m512i row_bytes(const uint8_t* p) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(v, both ? v : _mm_setzero_si128()));
+}
+
+// The 8 row results of lanes (2r, 2r + 1) summed, stored to out[0..7].
+inline void store_rows(__m512 acc, float* out) {
+  const __m512 sum = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0xB1));  // each lane + its pair
+  _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_maskz_compress_ps(0x5555, sum)));
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// Groups of 4 blocks of 32 (Q4_0, Q8_0): per block, the 8 rows' float16 scales, then the codes
+// in chunks of 8 bytes: chunk c of block b for rows 0..7. Q4_0: 2 chunks a block (low nibbles:
+// values 8c..8c+7, high: 16 + 8c..); Q8_0: 4 chunks (values 8c..8c+7).
+// ------------------------------------------------------------------------------------------------
+
+template <typename R>
+struct GroupX8 {
+  using Row = R;
+  static constexpr int kType = Row::kType + kInterleaved;
+  static constexpr int kValues = Row::kValues;
+  static constexpr int kBytes = kRows * Row::kBytes;
+  static constexpr bool kSuperAct = false;
+  static constexpr bool kInt8 = Row::kCodeBytes == 128;
+  static constexpr int kChunks = kInt8 ? 4 : 2;  // chunks of 8 bytes a block
+  static constexpr int kScaleBytes = kGroupBlocks * kRows * 2;
+
+  static int native(int p) { return p; }
+
+  static uint8_t* chunk(uint8_t* unit, int b, int c) { return unit + kScaleBytes + (b * kChunks + c) * 64; }
+  static const uint8_t* chunk(const uint8_t* unit, int b, int c) {
+    return unit + kScaleBytes + (b * kChunks + c) * 64;
+  }
+
+  // Row-layout units of rows 0..7 -> one interleaved unit.
+  static void interleave(const uint8_t* const rows[kRows], uint8_t* unit) {
+    for (int r = 0; r < kRows; ++r)
+      for (int b = 0; b < kGroupBlocks; ++b) {
+        std::memcpy(unit + (b * kRows + r) * 2, rows[r] + Row::kScaleOffset + 2 * b, 2);
+        for (int c = 0; c < kChunks; ++c)
+          std::memcpy(chunk(unit, b, c) + r * 8, rows[r] + b * (Row::kCodeBytes / kGroupBlocks) + c * 8, 8);
+      }
+  }
+  // Row r's unit in the row layout.
+  static void gather(const uint8_t* unit, int r, uint8_t* row) {
+    for (int b = 0; b < kGroupBlocks; ++b) {
+      std::memcpy(row + Row::kScaleOffset + 2 * b, unit + (b * kRows + r) * 2, 2);
+      for (int c = 0; c < kChunks; ++c)
+        std::memcpy(row + b * (Row::kCodeBytes / kGroupBlocks) + c * 8, chunk(unit, b, c) + r * 8, 8);
+    }
+  }
+
+#if ROSEINFER_GGUF_VNNI
+  // out[t][r] = row r . x[m0 + t], for T rows of x and the 8 rows of `rows`.
+  template <int T>
+  static void dot8(const uint8_t* rows, int64_t units, const Activations& a, int64_t m0, float out[][kRows]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < units; ++u) {
+      const uint8_t* unit = rows + u * kBytes;
+      for (int b = 0; b < kGroupBlocks; ++b) {
+        const __m512 d = row_pairs(unit + b * kRows * 2);
+        __m512i codes[4];  // codes[i]: values 8i..8i+7 of the block, unsigned (offset kOffset)
+        if constexpr (kInt8) {
+          for (int c = 0; c < 4; ++c) codes[c] = _mm512_xor_si512(_mm512_loadu_si512(chunk(unit, b, c)), flip);
+        } else {
+          for (int c = 0; c < 2; ++c) {
+            const __m512i packed = _mm512_loadu_si512(chunk(unit, b, c));
+            codes[c] = _mm512_and_si512(packed, nibble);
+            codes[c + 2] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+          }
+        }
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xq = a.q + (m0 + t) * a.q_stride + u * kValues + b * 32;
+          __m512i p = _mm512_setzero_si512();
+          for (int i = 0; i < 4; ++i) p = _mm512_dpbusd_epi32(p, codes[i], broadcast8(xq + 8 * i));
+          // The codes carry +offset: offset * (sum of the block's activation codes) comes off,
+          // half in each of a row's two lanes.
+          const int32_t sum = a.sums32[(m0 + t) * a.d_stride + u * kGroupBlocks + b];
+          p = _mm512_sub_epi32(p, _mm512_set1_epi32(Row::kOffset / 2 * sum));
+          const float dx = a.d[(m0 + t) * a.d_stride + u * kGroupBlocks + b];
+          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[t]);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) store_rows(acc[t], out[t]);
+  }
+#endif
+};
+
+using Q4_0x8 = GroupX8<Q4_0>;
+using Q8_0x8 = GroupX8<Q8_0>;
+
+// ------------------------------------------------------------------------------------------------
+// Q4_K: per super-block, the 8 rows' d and dmin (float16), the scales and minimums decoded to
+// bytes ([run][row], 8 runs of 32), then the codes in chunks of 8 bytes: chunk (j, c) of rows 0..7
+// holds bytes 32 j + 8 c .. of each row's codes (low nibbles: values 64 j + 8 c.., high: 64 j + 32
+// + 8 c..). 148 bytes a row where the file has 144: the scales are stored decoded.
+// ------------------------------------------------------------------------------------------------
+
+struct Q4_Kx8 {
+  using Row = Q4_K;
+  static constexpr int kType = Row::kType + kInterleaved;
+  static constexpr int kValues = 256;
+  static constexpr int kScales = 32, kMins = kScales + 64, kCodes = kMins + 64;
+  static constexpr int kBytes = kCodes + 16 * 64;  // 1184
+  static constexpr bool kSuperAct = true;
+
+  static int native(int p) { return p; }
+
+  static void interleave(const uint8_t* const rows[kRows], uint8_t* unit) {
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(unit + 2 * r, rows[r], 2);
+      std::memcpy(unit + 16 + 2 * r, rows[r] + 2, 2);
+      uint8_t sc[8], mn[8];
+      k_scale_min(rows[r] + 4, sc, mn);
+      for (int s = 0; s < 8; ++s) {
+        unit[kScales + s * kRows + r] = sc[s];
+        unit[kMins + s * kRows + r] = mn[s];
+      }
+      for (int ch = 0; ch < 16; ++ch) std::memcpy(unit + kCodes + ch * 64 + r * 8, rows[r] + 16 + ch * 8, 8);
+    }
+  }
+  static void gather(const uint8_t* unit, int r, uint8_t* row) {
+    std::memcpy(row, unit + 2 * r, 2);
+    std::memcpy(row + 2, unit + 16 + 2 * r, 2);
+    uint8_t* packed = row + 4;  // the 12 bytes of 6-bit scales and minimums, as k_scale_min reads them
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t sc0 = unit[kScales + j * kRows + r], sc1 = unit[kScales + (j + 4) * kRows + r];
+      const uint8_t mn0 = unit[kMins + j * kRows + r], mn1 = unit[kMins + (j + 4) * kRows + r];
+      packed[j] = static_cast<uint8_t>((sc0 & 63) | ((sc1 >> 4) << 6));
+      packed[j + 4] = static_cast<uint8_t>((mn0 & 63) | ((mn1 >> 4) << 6));
+      packed[j + 8] = static_cast<uint8_t>((sc1 & 0x0F) | ((mn1 & 0x0F) << 4));
+    }
+    for (int ch = 0; ch < 16; ++ch) std::memcpy(row + 16 + ch * 8, unit + kCodes + ch * 64 + r * 8, 8);
+  }
+
+#if ROSEINFER_GGUF_VNNI
+  template <int T>
+  static void dot8(const uint8_t* rows, int64_t units, const Activations& a, int64_t m0, float out[][kRows]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    __m512 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < units; ++u) {
+      const uint8_t* unit = rows + u * kBytes;
+      __m512i sums[T], mins[T];
+      for (int t = 0; t < T; ++t) sums[t] = mins[t] = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        __m512i low[4], high[4];
+        for (int c = 0; c < 4; ++c) {
+          const __m512i packed = _mm512_loadu_si512(unit + kCodes + (j * 4 + c) * 64);
+          low[c] = _mm512_and_si512(packed, nibble);
+          high[c] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+        }
+        const __m512i sc_low = row_bytes<true>(unit + kScales + 2 * j * kRows);
+        const __m512i sc_high = row_bytes<true>(unit + kScales + (2 * j + 1) * kRows);
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xq = a.q + (m0 + t) * a.q_stride + u * 256 + j * 64;
+          __m512i pl = _mm512_setzero_si512(), ph = _mm512_setzero_si512();
+          for (int c = 0; c < 4; ++c) {
+            pl = _mm512_dpbusd_epi32(pl, low[c], broadcast8(xq + 8 * c));
+            ph = _mm512_dpbusd_epi32(ph, high[c], broadcast8(xq + 32 + 8 * c));
+          }
+          sums[t] = _mm512_add_epi32(sums[t], _mm512_add_epi32(_mm512_mullo_epi32(pl, sc_low), _mm512_mullo_epi32(ph, sc_high)));
+        }
+      }
+      // Minimums: dmin * sum over runs of minimum * (run's activation code sum), once per row.
+      for (int s = 0; s < 8; ++s) {
+        const __m512i mn = row_bytes<false>(unit + kMins + s * kRows);
+        for (int t = 0; t < T; ++t) {
+          const int16_t* s16 = a.sums + (m0 + t) * a.sums_stride + u * 16 + 2 * s;
+          mins[t] = _mm512_add_epi32(mins[t], _mm512_mullo_epi32(mn, _mm512_set1_epi32(s16[0] + s16[1])));
+        }
+      }
+      const __m512 d = row_pairs(unit), dmin = row_pairs(unit + 16);
+      for (int t = 0; t < T; ++t) {
+        const __m512 dx = _mm512_set1_ps(a.d[(m0 + t) * a.d_stride + u]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), _mm512_mul_ps(d, dx), acc[t]);
+        acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dmin, dx), acc[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) store_rows(acc[t], out[t]);
+  }
+#endif
+};
+
+// ------------------------------------------------------------------------------------------------
+// Q6_K: per super-block, the 8 rows' d (float16), the scales ([run][row] int8, 16 runs of 16),
+// then low-nibble chunks (h, c) for h < 2, c < 8: bytes 64 h + 8 c of each row's ql, then
+// high-bit chunks (h, c) for c < 4: bytes 32 h + 8 c of each row's qh. 210 bytes a row, as the file.
+// ------------------------------------------------------------------------------------------------
+
+struct Q6_Kx8 {
+  using Row = Q6_K;
+  static constexpr int kType = Row::kType + kInterleaved;
+  static constexpr int kValues = 256;
+  static constexpr int kScales = 16, kLow = kScales + 128, kHigh = kLow + 16 * 64;
+  static constexpr int kBytes = kHigh + 8 * 64;  // 1680
+  static constexpr bool kSuperAct = true;
+
+  static int native(int p) { return p; }
+
+  static void interleave(const uint8_t* const rows[kRows], uint8_t* unit) {
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(unit + 2 * r, rows[r] + 208, 2);
+      for (int s = 0; s < 16; ++s) unit[kScales + s * kRows + r] = rows[r][192 + s];
+      for (int ch = 0; ch < 16; ++ch) std::memcpy(unit + kLow + ch * 64 + r * 8, rows[r] + ch * 8, 8);
+      for (int ch = 0; ch < 8; ++ch) std::memcpy(unit + kHigh + ch * 64 + r * 8, rows[r] + 128 + ch * 8, 8);
+    }
+  }
+  static void gather(const uint8_t* unit, int r, uint8_t* row) {
+    std::memcpy(row + 208, unit + 2 * r, 2);
+    for (int s = 0; s < 16; ++s) row[192 + s] = unit[kScales + s * kRows + r];
+    for (int ch = 0; ch < 16; ++ch) std::memcpy(row + ch * 8, unit + kLow + ch * 64 + r * 8, 8);
+    for (int ch = 0; ch < 8; ++ch) std::memcpy(row + 128 + ch * 8, unit + kHigh + ch * 64 + r * 8, 8);
+  }
+
+#if ROSEINFER_GGUF_VNNI
+  template <int T>
+  static void dot8(const uint8_t* rows, int64_t units, const Activations& a, int64_t m0, float out[][kRows]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), bits = _mm512_set1_epi8(0x30);
+    // Word w of a VPMADDUBSW result covers bytes 2w, 2w + 1: row w / 4.
+    const __m512i word_row = _mm512_set_epi16(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2,
+                                              1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < units; ++u) {
+      const uint8_t* unit = rows + u * kBytes;
+      __m512i sums[T], offsets[T];
+      for (int t = 0; t < T; ++t) sums[t] = offsets[t] = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < 4; ++c) {
+          const __m512i l0 = _mm512_loadu_si512(unit + kLow + (h * 8 + c) * 64);
+          const __m512i l1 = _mm512_loadu_si512(unit + kLow + (h * 8 + c + 4) * 64);
+          const __m512i q = _mm512_loadu_si512(unit + kHigh + (h * 4 + c) * 64);
+          // Values h*128 + 32 s + 8 c .. for s = 0..3: codes 0..63 (the value + 32).
+          const __m512i codes[4] = {
+              _mm512_or_si512(_mm512_and_si512(l0, nibble), _mm512_and_si512(_mm512_slli_epi16(q, 4), bits)),
+              _mm512_or_si512(_mm512_and_si512(l1, nibble), _mm512_and_si512(_mm512_slli_epi16(q, 2), bits)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), nibble), _mm512_and_si512(q, bits)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), nibble),
+                              _mm512_and_si512(_mm512_srli_epi16(q, 2), bits)),
+          };
+          for (int s = 0; s < 4; ++s) {
+            const int run = h * 8 + s * 2 + c / 2;  // runs of 16 values
+            const __m512i sc = _mm512_permutexvar_epi16(
+                word_row, _mm512_castsi128_si512(_mm_cvtepi8_epi16(
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit + kScales + run * kRows)))));
+            for (int t = 0; t < T; ++t) {
+              const int8_t* xq = a.q + (m0 + t) * a.q_stride + u * 256 + h * 128 + s * 32 + c * 8;
+              sums[t] = _mm512_dpwssd_epi32(sums[t], _mm512_maddubs_epi16(codes[s], broadcast8(xq)), sc);
+            }
+          }
+        }
+      // The codes carry +32: 32 * scale * (run's activation code sum) comes off, once per row.
+      for (int run = 0; run < 16; ++run) {
+        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit + kScales + run * kRows));
+        const __m512i sc = _mm512_cvtepi8_epi32(_mm_unpacklo_epi8(v, _mm_setzero_si128()));
+        for (int t = 0; t < T; ++t)
+          offsets[t] = _mm512_add_epi32(
+              offsets[t], _mm512_mullo_epi32(sc, _mm512_set1_epi32(a.sums[(m0 + t) * a.sums_stride + u * 16 + run])));
+      }
+      const __m512 d = row_pairs(unit);
+      for (int t = 0; t < T; ++t) {
+        const __m512i total = _mm512_sub_epi32(sums[t], _mm512_slli_epi32(offsets[t], 5));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total),
+                                 _mm512_mul_ps(d, _mm512_set1_ps(a.d[(m0 + t) * a.d_stride + u])), acc[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) store_rows(acc[t], out[t]);
+  }
+#endif
+};
+
+// Calls f with the interleaved traits of kernel type `type`; false if it has none.
+template <typename F>
+bool with_interleaved_traits(int type, F&& f) {
+  switch (type) {
+    case Q4_0x8::kType: f(Q4_0x8{}); return true;
+    case Q8_0x8::kType: f(Q8_0x8{}); return true;
+    case Q4_Kx8::kType: f(Q4_Kx8{}); return true;
+    case Q6_Kx8::kType: f(Q6_Kx8{}); return true;
+    default: return false;
+  }
+}
+
+}  // namespace roseinfer::gguf

@@ -1,0 +1,140 @@
+"""The GGUF block kernels (csrc/gguf_blocks.h, gguf_linear_cpu.cpp) on random blocks of every type
+they run, against `gguf`'s own numpy dequantization:
+
+- repacking is lossless, and the values the kernels expand are exactly gguf's, bit for bit;
+- exact linear layers equal the product of those values (float64 reference);
+- the fast path equals the same product with the activations rounded as it documents: 8 bits per
+  32 or 256 values for small batches (VNNI builds), bfloat16 inputs for large ones (AVX512-BF16).
+"""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from gguf_blocks import BLOCK_TYPES, random_blocks
+
+from roseinfer.layers.cpu_kernels import cpu_has_bfloat16_dot_products, cpu_kernels
+
+kernels = cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ CPU kernels could not be built")
+
+SUPER_BLOCK_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
+DOT_ROWS = 32  # gguf_linear_cpu.cpp's kDotRows: up to here the dot kernels, past it panels
+
+
+def columns_of(name: str) -> int:
+    # 32-value types: 23 blocks, so the last group of 4 is padded; 256-value types: 3 super-blocks.
+    return 768 if name in SUPER_BLOCK_TYPES else 736
+
+
+def weight(name: str, rows: int = 37, seed: int = 1):
+    """(file bytes, gguf's values, the kernels' packed weight, its kernel type)."""
+    columns = columns_of(name)
+    raw = random_blocks(name, rows, columns, seed=seed)
+    qtype = GGMLQuantizationType[name]
+    values = dequantize(raw, qtype).reshape(rows, columns).astype(np.float32)
+    packed, kernel_type = kernels.gguf_pack(torch.from_numpy(raw), int(qtype), columns)
+    return raw, values, packed, kernel_type
+
+
+# 37 rows: the row layout; 40 (a multiple of 8): the interleaved one where a type has it.
+ROW_COUNTS = [37, 40]
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_repacking_is_lossless_and_expanded_values_are_ggufs_exactly(name, rows):
+    raw, values, packed, qtype = weight(name, rows)
+    assert kernels.gguf_types().count(int(GGMLQuantizationType[name])) == 1
+    assert np.array_equal(kernels.gguf_unpack(packed, qtype, values.shape[1]).numpy(), raw)
+    expanded = kernels.gguf_dequantize(packed, qtype, values.shape[1]).numpy()
+    assert np.array_equal(expanded.view(np.uint32), values.view(np.uint32)), "not bit for bit"
+    ids = torch.tensor([5, 0, rows - 1, 5])
+    rows = kernels.gguf_dequantize(packed, qtype, values.shape[1], ids).numpy()
+    assert np.array_equal(rows.view(np.uint32), values[ids.numpy()].view(np.uint32))
+    as_bf16 = kernels.gguf_dequantize(packed, qtype, values.shape[1], None, torch.bfloat16)
+    assert torch.equal(as_bf16, torch.from_numpy(values).to(torch.bfloat16))
+
+
+def relative_error(result: torch.Tensor, reference: np.ndarray) -> float:
+    return float(np.abs(result.double().numpy() - reference).max() / np.abs(reference).max())
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+@pytest.mark.parametrize("weight_rows", ROW_COUNTS)
+@pytest.mark.parametrize("rows", [1, 3, 5, 40])
+def test_exact_products_equal_the_expanded_weight_times_x(name, weight_rows, rows):
+    _, values, packed, qtype = weight(name, weight_rows)
+    x = torch.randn(rows, values.shape[1], generator=torch.Generator().manual_seed(rows))
+    reference = x.double().numpy() @ values.astype(np.float64).T
+    out = kernels.gguf_linear(x, [packed], [qtype], None, True)
+    assert out.shape == (rows, values.shape[0]) and out.dtype == torch.float32
+    assert relative_error(out, reference) < 2e-6
+
+
+def quantized_rows(x: np.ndarray, block: int) -> np.ndarray:
+    """x rounded as the kernels quantize activations: per run of `block` values a scale
+    max|x| / 127 and codes round(x * 127 / max|x|), ties to even (all in float32)."""
+    runs = x.astype(np.float32).reshape(x.shape[0], -1, block)
+    amax = np.abs(runs).max(-1, keepdims=True)
+    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    codes = np.clip(np.rint(runs * inverse), -127, 127)
+    return (codes * (amax / np.float32(127))).reshape(x.shape).astype(np.float64)
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+@pytest.mark.parametrize("weight_rows", ROW_COUNTS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, DOT_ROWS])
+def test_small_batches_multiply_8_bit_activations(name, weight_rows, rows):
+    _, values, packed, qtype = weight(name, weight_rows)
+    x = torch.randn(rows, values.shape[1], generator=torch.Generator().manual_seed(10 + rows))
+    out = kernels.gguf_linear(x, [packed], [qtype], None, False)
+    if kernels.gguf_kernel_isa() == "avx512-vnni":
+        xq = quantized_rows(x.numpy(), 256 if name in SUPER_BLOCK_TYPES else 32)
+    else:  # no VNNI: float activations, exact products
+        xq = x.double().numpy()
+    reference = xq @ values.astype(np.float64).T
+    assert relative_error(out, reference) < 2e-6
+    # and near the exact product: 8 bits a value cost ~1% here (random Gaussian activations)
+    assert relative_error(out, x.double().numpy() @ values.astype(np.float64).T) < 0.03
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("weight_rows", ROW_COUNTS)
+def test_large_batches_multiply_bfloat16_inputs_where_the_cpu_has_them(name, weight_rows):
+    _, values, packed, qtype = weight(name, weight_rows)
+    x = torch.randn(DOT_ROWS + 25, values.shape[1], generator=torch.Generator().manual_seed(3))
+    out = kernels.gguf_linear(x, [packed], [qtype], None, False)
+    if cpu_has_bfloat16_dot_products() and "bfloat16" in kernels.panel_linear_dtypes():
+        as_bf16 = lambda a: torch.from_numpy(np.asarray(a, dtype=np.float32)).to(torch.bfloat16).double().numpy()  # noqa: E731
+        reference = as_bf16(x.numpy()) @ as_bf16(values).T
+    else:
+        reference = x.double().numpy() @ values.astype(np.float64).T
+    assert relative_error(out, reference) < 2e-6
+
+
+def test_parts_of_different_types_stack_along_the_outputs_with_a_bias():
+    parts = [weight("Q4_K", rows=16, seed=1), weight("Q6_K", rows=8, seed=2), weight("Q4_K", rows=5, seed=3)]
+    assert [p[3] for p in parts] == [12 + 256, 14 + 256, 12] or kernels.gguf_kernel_isa() != "avx512-vnni"
+    x = torch.randn(3, 768, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(29)
+    out = kernels.gguf_linear(x, [p[2] for p in parts], [p[3] for p in parts], bias, True)
+    stacked = np.concatenate([p[1] for p in parts]).astype(np.float64)
+    assert relative_error(out, x.double().numpy() @ stacked.T + bias.double().numpy()) < 2e-6
+    x16 = x.to(torch.bfloat16)
+    assert kernels.gguf_linear(x16, [p[2] for p in parts], [p[3] for p in parts], bias, True).dtype == torch.bfloat16
+
+
+def test_bad_weights_are_named():
+    _, values, packed, qtype = weight("Q4_K")
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        kernels.gguf_pack(torch.zeros(2, 144, dtype=torch.uint8), qtype, 300)
+    with pytest.raises(RuntimeError, match="bytes a row"):
+        kernels.gguf_linear(torch.randn(1, 512), [packed], [qtype], None, False)
+    if kernels.gguf_kernel_isa() == "avx512-vnni":
+        _, _, interleaved, kernel_type = weight("Q4_K", rows=40)
+        with pytest.raises(RuntimeError, match="multiple of 8"):
+            kernels.gguf_linear(torch.randn(1, 768), [interleaved[:12]], [kernel_type], None, False)
+    with pytest.raises(RuntimeError, match="GGML type 16 has no kernel"):
+        kernels.gguf_row_bytes(16, 256)  # IQ2_XXS
