@@ -138,3 +138,59 @@ def test_bad_weights_are_named():
             kernels.gguf_linear(torch.randn(1, 768), [interleaved[:12]], [kernel_type], None, False)
     with pytest.raises(RuntimeError, match="GGML type 16 has no kernel"):
         kernels.gguf_row_bytes(16, 256)  # IQ2_XXS
+
+
+AVX2_CHECK = r"""
+import numpy as np, torch, sys
+sys.path.insert(0, "tests")
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from gguf_blocks import BLOCK_TYPES, random_blocks
+from roseinfer.layers.cpu_kernels import cpu_kernels
+k = cpu_kernels()
+assert k is not None and k.gguf_kernel_isa() == "float" and k.panel_linear_dtypes() == [], "not an AVX2-only build"
+for name in BLOCK_TYPES:
+    columns = 768 if name.endswith("_K") or name == "IQ4_XS" else 736
+    raw = random_blocks(name, 40, columns)
+    values = dequantize(raw, GGMLQuantizationType[name]).reshape(40, columns).astype(np.float32)
+    packed, kernel_type = k.gguf_pack(torch.from_numpy(raw), int(GGMLQuantizationType[name]), columns)
+    assert np.array_equal(k.gguf_dequantize(packed, kernel_type, columns).numpy(), values), name
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, columns)
+        out = k.gguf_linear(x, [packed], [kernel_type], None, False).double().numpy()
+        reference = x.double().numpy() @ values.astype(np.float64).T
+        assert np.abs(out - reference).max() < 2e-6 * np.abs(reference).max(), (name, rows)
+from roseinfer import LLM, SamplingParams
+outputs = LLM(sys.argv[1], num_kv_blocks=32).generate(
+    prompt_token_ids=[[5, 9, 30]], sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    use_tqdm=False)
+print(outputs[0].outputs[0].token_ids)
+"""
+
+
+@pytest.mark.skipif(not {"avx2", "fma", "f16c", "bmi2"} <= set(__import__("roseinfer.layers.cpu_kernels",
+                    fromlist=["cpu_flags"]).cpu_flags()), reason="this CPU cannot run an AVX2 build")
+def test_an_avx2_only_build_runs_every_type_exactly(tmp_path):
+    """The kernels built for an AVX2-only CPU (-march=x86-64-v3: no AVX-512, no VNNI, no panel
+    kernel): every block type expands and multiplies exactly (float activations), and a model in
+    its own blocks generates what the native build generates with exact products."""
+    import os
+    import subprocess
+    import sys
+
+    from support import tiny_hf_model, write_llama_gguf
+
+    from roseinfer import LLM, SamplingParams
+
+    original = tiny_hf_model("llama-256", tmp_path / "hf")
+    path = tmp_path / "tiny-Q4_K.gguf"
+    write_llama_gguf(original, tmp_path / "hf", path, "llama", "Q4_K", random_blocks=True)
+    env = os.environ | {"ROSEINFER_CPU_MARCH": "x86-64-v3"}
+    result = subprocess.run([sys.executable, "-c", AVX2_CHECK, str(path)], env=env, capture_output=True, text=True,
+                            timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    avx2_tokens = eval(result.stdout.strip().splitlines()[-1])  # a list of ints, printed by the check
+    exact = LLM(str(path), num_kv_blocks=32, quantization="none").generate(
+        prompt_token_ids=[[5, 9, 30]], sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False)
+    assert avx2_tokens == exact[0].outputs[0].token_ids

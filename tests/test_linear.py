@@ -179,3 +179,16 @@ def test_tiny_llama_in_bfloat16_against_transformers(tmp_path):
     assert expected in kinds and "Linear" not in kinds
     worst = compare_logits_step_by_step(engine, reference.to(torch.bfloat16).float(), [[5, 9, 30, 31, 200], [7] * 20], 4)
     assert worst < 0.06, f"max |logit difference| {worst}"
+
+
+def test_auto_follows_a_bfloat16_checkpoints_dtype_where_the_cpu_has_bfloat16_products(tmp_path):
+    """--quantization auto keeps a bfloat16 checkpoint in bfloat16 on CPUs with bfloat16 dot products
+    (float32 elsewhere, where bfloat16 products would be emulated); none expands it to float32."""
+    from roseinfer.layers.cpu_kernels import cpu_has_bfloat16_dot_products
+
+    model = tiny_hf_model("llama", tmp_path / "llama")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "llama")  # config.json now says bfloat16
+    auto = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=16)
+    assert auto.dtype == (torch.bfloat16 if cpu_has_bfloat16_dot_products() else torch.float32)
+    exact = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=16, quantization="none")
+    assert exact.dtype == torch.float32

@@ -8,6 +8,7 @@ import argparse
 def add_parser(commands: argparse._SubParsersAction) -> None:
     from roseinfer.bench import (
         compare,
+        gguf_files,
         offline,
         prefix_cache,
         quality,
@@ -29,3 +30,4 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     structured.add_parser(kinds)
     spec_decode.add_parser(kinds)
     single_stream.add_parser(kinds)
+    gguf_files.add_parser(kinds)

@@ -58,6 +58,9 @@ def _find(pattern: str, output: str, what: str) -> re.Match[str]:
     return match
 
 
+_BASE_RUNS: dict[tuple, str] = {}
+
+
 def run_llama_perplexity(
     binary: Path, f32_gguf: Path, quantized_gguf: Path, corpus: Path, n_ctx: int,
     max_chunks: int | None, threads: int, base_file: Path,
@@ -66,7 +69,10 @@ def run_llama_perplexity(
     if max_chunks is not None:
         common += ["--chunks", str(max_chunks)]
     base_run = [str(binary), "-m", str(f32_gguf), "-f", str(corpus), *common, "--kl-divergence-base", str(base_file)]
-    base_output = _run(base_run)
+    base_output = _BASE_RUNS.get((tuple(base_run), base_file.stat().st_mtime if base_file.exists() else None))
+    if base_output is None:  # one base run serves every quantized file of a session
+        base_output = _run(base_run)
+        _BASE_RUNS[(tuple(base_run), base_file.stat().st_mtime)] = base_output
     base_ppl = float(_find(rf"Final estimate: PPL = {_NUMBER}", base_output, "final PPL estimate").group(1))
     kld_run = [str(binary), "-m", str(quantized_gguf), *common, "--kl-divergence-base", str(base_file),
                "--kl-divergence"]

@@ -12,6 +12,12 @@ distributions are ever held.
 With `--llama-perplexity` (and `--llama-f32-gguf`, an F32 GGUF of the same weights) llama.cpp's
 figures for its quantized file on the same text go beside ours, after a check that llama.cpp
 evaluated the same token ids; a last row compares our float32 with llama.cpp's F32 directly.
+
+`--files` scores quantized GGUF files of the same weights in their own types (`--quantization
+auto`) against `--model` in float32 (its F32 GGUF), each beside llama.cpp's figures on that file:
+
+    roseinfer bench quality --model smollm2-f32.gguf --methods --files smollm2-Q4_K_M.gguf ... \
+        --llama-perplexity .../llama-perplexity --llama-f32-gguf smollm2-f32.gguf
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from roseinfer.layers.linear import QUANTIZATION_METHODS
 from roseinfer.models.default_model import default_model_path
 
 REFERENCE = Mode("float32", "none")
+FILE_MODE = Mode("float32", "auto")  # a quantized file in its own types
 DEFAULT_MODES = ["bfloat16+none", "float32+int8", "float32+int4"]
 LLAMA_FLOOR = -16.0  # llama.cpp leaves reference log-probabilities at or below this out of its KL
 
@@ -127,19 +134,34 @@ def run_quality(args: argparse.Namespace) -> int:
     llama: LlamaFigures | None = None
     base: LlamaBaseFile | None = None
     scratch = tempfile.TemporaryDirectory(prefix="roseinfer-quality-")
-    if llama_wanted:
+    if llama_wanted and (modes or not args.files):
         llama = run_llama_perplexity(
             args.llama_perplexity, args.llama_f32_gguf, _llama_quantized_gguf(args), args.corpus, n_ctx,
             args.chunks, args.llama_threads, Path(scratch.name) / "f32-base.dat",
         )
+    if llama_wanted:
+        if llama is None:  # only --files: the base run alone, for the token check
+            run_llama_perplexity(args.llama_perplexity, args.llama_f32_gguf, args.llama_f32_gguf, args.corpus, n_ctx,
+                                 args.chunks, args.llama_threads, Path(scratch.name) / "f32-base.dat")
         base = LlamaBaseFile(Path(scratch.name) / "f32-base.dat")
         notes.append(_check_llama_tokens(base, tokens, n_ctx))
-        notes += ["llama.cpp commands:", *("  " + " ".join(command) for command in llama.commands)]
+        if llama is not None:
+            notes += ["llama.cpp commands:", *("  " + " ".join(command) for command in llama.commands)]
 
     # One entry per row: a mode given twice (or float32+none itself) is loaded and scored again.
     entries = [_Entry(f"{REFERENCE} (reference)", reference)] + [
         _Entry(str(mode), ChunkLogits.load(args.model, args.tokenizer, args.device, mode, n_ctx)[0]) for mode in modes
+    ] + [
+        _Entry(f"{path.name} (own types)", ChunkLogits.load(str(path), args.tokenizer, args.device, FILE_MODE, n_ctx)[0])
+        for path in args.files
     ]
+    file_figures = []
+    if llama_wanted:
+        for path in args.files:  # llama.cpp on each of the same files, against the same base
+            figures = run_llama_perplexity(args.llama_perplexity, args.llama_f32_gguf, path, args.corpus, n_ctx,
+                                           args.chunks, args.llama_threads, Path(scratch.name) / "f32-base.dat")
+            file_figures.append((path, figures))
+            notes.append("  " + " ".join(figures.commands[-1]))
     if args.decode_rows:  # the same models again, fed as decode steps of that many rows are
         entries += [_Entry(f"{entry.label}, {args.decode_rows} rows a step", entry.model, args.decode_rows)
                     for entry in entries[1:]]
@@ -157,11 +179,17 @@ def run_quality(args: argparse.Namespace) -> int:
     scratch.cleanup()
 
     rows = [_row(entry.label, entry.scores.summary(), entry.seconds) for entry in entries]
+    for path, figures in file_figures:
+        rows.append(_row(f"llama.cpp {path.name}", perplexity=figures.perplexity, mean_kld=figures.mean_kld,
+                         mean_kld_stderr=figures.mean_kld_stderr, kld_p99=figures.kld_p99, same_top=figures.same_top))
+    some_figures = llama or (file_figures[0][1] if file_figures else None)
+    if some_figures is not None:
+        rows.append(_row("llama.cpp F32 (its reference)", perplexity=some_figures.base_perplexity))
     if llama is not None:
-        rows.append(_row("llama.cpp F32 (its reference)", perplexity=llama.base_perplexity))
         rows.append(_row(f"llama.cpp {_llama_quantized_gguf(args).name}", perplexity=llama.perplexity,
                          mean_kld=llama.mean_kld,
                          mean_kld_stderr=llama.mean_kld_stderr, kld_p99=llama.kld_p99, same_top=llama.same_top))
+    if base is not None:
         cross = cross_check.summary()
         rows.append(_row("float32 vs llama.cpp F32", mean_kld=cross.mean_kld, mean_kld_stderr=cross.mean_kld_stderr,
                          kld_p99=cross.kld_p99, same_top=cross.same_top))
@@ -210,7 +238,9 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
                         help="GGUF file or Hugging Face model directory (default: the default model)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (bare checkpoints)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
-    parser.add_argument("--methods", nargs="+", type=_mode, default=DEFAULT_MODES, metavar="DTYPE+QUANTIZATION[+KV_DTYPE]",
+    parser.add_argument("--files", nargs="+", type=Path, default=[], metavar="GGUF",
+                        help="quantized GGUF files of --model's weights, scored in their own types")
+    parser.add_argument("--methods", nargs="*", type=_mode, default=DEFAULT_MODES, metavar="DTYPE+QUANTIZATION[+KV_DTYPE]",
                         help="modes scored against float32+none (default: %(default)s)")
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
                         help="UTF-8 text to score (default: the shipped State of the Union addresses)")

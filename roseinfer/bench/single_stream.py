@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 CONFIGURATIONS = {  # name -> LLM(...) keywords
-    "float32": {"dtype": "float32"},
-    "bfloat16": {"dtype": "bfloat16"},
+    "auto": {},  # the file's own types (the default)
+    "float32": {"dtype": "float32", "quantization": "none"},
+    "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
 }

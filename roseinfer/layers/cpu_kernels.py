@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
 import time
 from pathlib import Path
@@ -45,7 +46,11 @@ _SOURCES = [
 # -fopenmp: ATen's parallel_for is an inline OpenMP region in the kernels' own code; without the
 # flag it compiles to a serial loop (every kernel ran on one core until this was found). PyTorch's
 # own libgomp is the one loaded, so the kernels share its thread pool.
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
+# ROSEINFER_CPU_MARCH=<gcc -march value> builds for another instruction set than this CPU's (one
+# this CPU runs): x86-64-v3 is an AVX2-only machine's, which is how the tests check the paths
+# that run without AVX-512 (test_gguf_kernels.py).
+_MARCH = os.environ.get("ROSEINFER_CPU_MARCH", "native")
+_FLAGS = ["-O3", f"-march={_MARCH}", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
 
 @functools.cache

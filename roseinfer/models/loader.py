@@ -156,7 +156,49 @@ def load_model_weights(config: EngineConfig, model_config: ModelConfig) -> nn.Mo
     )
     del source
     release_free_memory()
+    logger.info("weights: %s; resident now %s", describe_weights(model), _resident())
     return model
+
+
+def describe_weights(model: nn.Module) -> str:
+    """The model's weights by the type they are held in, e.g. "Q4_K 461.3 MB (97), Q6_K ... = 690.1 MB"
+    (a weight two layers share is counted once)."""
+    from roseinfer.layers.linear import BlockLinear
+    from roseinfer.layers.parallel import VocabParallelEmbedding
+
+    sizes: dict[str, list[int]] = {}
+    seen: set[int] = set()
+
+    def count(kind: str, tensor: torch.Tensor) -> None:
+        if tensor is None or tensor.data_ptr() in seen or tensor.numel() == 0:
+            return
+        seen.add(tensor.data_ptr())
+        entry = sizes.setdefault(kind, [0, 0])
+        entry[0] += tensor.numel() * tensor.element_size()
+        entry[1] += 1
+
+    for module in model.modules():
+        if isinstance(module, BlockLinear):
+            for part in module.parts:
+                count(part.qtype.name, part.packed)
+        elif isinstance(module, VocabParallelEmbedding) and module.blocks is not None:
+            count(module.blocks.qtype.name, module.blocks.packed)
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if not isinstance(module, BlockLinear):
+                count(str(tensor.dtype).removeprefix("torch."), tensor)
+    total = sum(size for size, _ in sizes.values())
+    parts = ", ".join(f"{kind} {size / 1e6:.1f} MB ({n})" for kind, (size, n) in
+                      sorted(sizes.items(), key=lambda item: -item[1][0]))
+    return f"{parts} = {total / 1e6:.1f} MB"
+
+
+def _resident() -> str:
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return "unknown"
+    kib = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return f"{kib / 1024:.0f} MiB"
 
 
 def release_free_memory() -> None:

@@ -1,4 +1,4 @@
-// Interleaved layouts for the hot GGUF types: the same blocks, 8 weight rows side by side, so that
+// Interleaved layouts for the common GGUF types (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS): the same blocks, 8 weight rows side by side, so that
 // one 64-byte load holds 8 bytes of each of 8 rows and one VPDPBUSD multiplies all 8 rows by the
 // same 8 activation bytes (broadcast). Against the row layout (gguf_blocks.h) this shares the
 // activation loads, the unpacking of codes and the float work of scales across 8 rows, and needs
@@ -135,18 +135,21 @@ using Q4_0x8 = GroupX8<Q4_0>;
 using Q8_0x8 = GroupX8<Q8_0>;
 
 // ------------------------------------------------------------------------------------------------
-// Q4_K: per super-block, the 8 rows' d and dmin (float16), the scales and minimums decoded to
-// bytes ([run][row], 8 runs of 32), then the codes in chunks of 8 bytes: chunk (j, c) of rows 0..7
-// holds bytes 32 j + 8 c .. of each row's codes (low nibbles: values 64 j + 8 c.., high: 64 j + 32
-// + 8 c..). 148 bytes a row where the file has 144: the scales are stored decoded.
+// Q4_K and Q5_K: per super-block, the 8 rows' d and dmin (float16), the scales and minimums decoded
+// to bytes ([run][row], 8 runs of 32), then the codes in chunks of 8 bytes: chunk (j, c) of rows
+// 0..7 holds bytes 32 j + 8 c .. of each row's qs (low nibbles: values 64 j + 8 c.., high: 64 j +
+// 32 + 8 c..); Q5_K then its fifth bits, chunk c holding bytes 8 c .. of each row's qh (bit r:
+// value 32 r + 8 c ..). 4 bytes a row more than the file (the scales stored decoded).
 // ------------------------------------------------------------------------------------------------
 
-struct Q4_Kx8 {
-  using Row = Q4_K;
+template <typename R, bool HighBit>
+struct KQuantX8 {
+  using Row = R;
   static constexpr int kType = Row::kType + kInterleaved;
   static constexpr int kValues = 256;
-  static constexpr int kScales = 32, kMins = kScales + 64, kCodes = kMins + 64;
-  static constexpr int kBytes = kCodes + 16 * 64;  // 1184
+  static constexpr int kScales = 32, kMins = kScales + 64, kCodes = kMins + 64, kHigh = kCodes + 16 * 64;
+  static constexpr int kBytes = kHigh + (HighBit ? 4 * 64 : 0);  // 1184 (Q4_K), 1440 (Q5_K)
+  static constexpr int kRowQs = HighBit ? 48 : 16;               // where a row unit's qs start
   static constexpr bool kSuperAct = true;
 
   static int native(int p) { return p; }
@@ -161,7 +164,9 @@ struct Q4_Kx8 {
         unit[kScales + s * kRows + r] = sc[s];
         unit[kMins + s * kRows + r] = mn[s];
       }
-      for (int ch = 0; ch < 16; ++ch) std::memcpy(unit + kCodes + ch * 64 + r * 8, rows[r] + 16 + ch * 8, 8);
+      for (int ch = 0; ch < 16; ++ch) std::memcpy(unit + kCodes + ch * 64 + r * 8, rows[r] + kRowQs + ch * 8, 8);
+      if constexpr (HighBit)
+        for (int ch = 0; ch < 4; ++ch) std::memcpy(unit + kHigh + ch * 64 + r * 8, rows[r] + 16 + ch * 8, 8);
     }
   }
   static void gather(const uint8_t* unit, int r, uint8_t* row) {
@@ -175,13 +180,15 @@ struct Q4_Kx8 {
       packed[j + 4] = static_cast<uint8_t>((mn0 & 63) | ((mn1 >> 4) << 6));
       packed[j + 8] = static_cast<uint8_t>((sc1 & 0x0F) | ((mn1 & 0x0F) << 4));
     }
-    for (int ch = 0; ch < 16; ++ch) std::memcpy(row + 16 + ch * 8, unit + kCodes + ch * 64 + r * 8, 8);
+    for (int ch = 0; ch < 16; ++ch) std::memcpy(row + kRowQs + ch * 8, unit + kCodes + ch * 64 + r * 8, 8);
+    if constexpr (HighBit)
+      for (int ch = 0; ch < 4; ++ch) std::memcpy(row + 16 + ch * 8, unit + kHigh + ch * 64 + r * 8, 8);
   }
 
 #if ROSEINFER_GGUF_VNNI
   template <int T>
   static void dot8(const uint8_t* rows, int64_t units, const Activations& a, int64_t m0, float out[][kRows]) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
     __m512 acc[T];
     for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t u = 0; u < units; ++u) {
@@ -194,6 +201,13 @@ struct Q4_Kx8 {
           const __m512i packed = _mm512_loadu_si512(unit + kCodes + (j * 4 + c) * 64);
           low[c] = _mm512_and_si512(packed, nibble);
           high[c] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+          if constexpr (HighBit) {  // bit 2j of qh: run 2j (the low nibbles), bit 2j + 1: run 2j + 1
+            const __m512i qh = _mm512_loadu_si512(unit + kHigh + c * 64);
+            low[c] = _mm512_mask_add_epi8(low[c], _mm512_test_epi8_mask(qh, _mm512_set1_epi8(static_cast<char>(1 << (2 * j)))),
+                                          low[c], bit4);
+            high[c] = _mm512_mask_add_epi8(
+                high[c], _mm512_test_epi8_mask(qh, _mm512_set1_epi8(static_cast<char>(1 << (2 * j + 1)))), high[c], bit4);
+          }
         }
         const __m512i sc_low = row_bytes<true>(unit + kScales + 2 * j * kRows);
         const __m512i sc_high = row_bytes<true>(unit + kScales + (2 * j + 1) * kRows);
@@ -220,6 +234,83 @@ struct Q4_Kx8 {
         const __m512 dx = _mm512_set1_ps(a.d[(m0 + t) * a.d_stride + u]);
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), _mm512_mul_ps(d, dx), acc[t]);
         acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dmin, dx), acc[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) store_rows(acc[t], out[t]);
+  }
+#endif
+};
+
+using Q4_Kx8 = KQuantX8<Q4_K, false>;
+using Q5_Kx8 = KQuantX8<Q5_K, true>;
+
+// ------------------------------------------------------------------------------------------------
+// IQ4_XS: per super-block, the 8 rows' d (float16), the run scales decoded ([run][row] int8, the
+// 6-bit value - 32, 8 runs of 32), then the codes: chunk (run, c) of rows 0..7 holds bytes 16 run +
+// 8 c .. of each row's qs (low nibbles: values 32 run + 8 c.., high: 32 run + 16 + 8 c..).
+// ------------------------------------------------------------------------------------------------
+
+struct IQ4_XSx8 {
+  using Row = IQ4_XS;
+  static constexpr int kType = Row::kType + kInterleaved;
+  static constexpr int kValues = 256;
+  static constexpr int kScales = 16, kCodes = kScales + 64;
+  static constexpr int kBytes = kCodes + 16 * 64;  // 1104: 2 bytes a row more than the file
+  static constexpr bool kSuperAct = true;
+
+  static int native(int p) { return p; }
+
+  static void interleave(const uint8_t* const rows[kRows], uint8_t* unit) {
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(unit + 2 * r, rows[r], 2);
+      for (int run = 0; run < 8; ++run) unit[kScales + run * kRows + r] = static_cast<uint8_t>(Row::scale(rows[r], run));
+      for (int ch = 0; ch < 16; ++ch) std::memcpy(unit + kCodes + ch * 64 + r * 8, rows[r] + 8 + ch * 8, 8);
+    }
+  }
+  static void gather(const uint8_t* unit, int r, uint8_t* row) {
+    std::memcpy(row, unit + 2 * r, 2);
+    uint16_t high = 0;
+    for (int run = 0; run < 8; ++run) {
+      const int ls = static_cast<int8_t>(unit[kScales + run * kRows + r]) + 32;
+      high = static_cast<uint16_t>(high | ((ls >> 4) & 3) << (2 * run));
+      uint8_t& low = row[4 + run / 2];
+      low = static_cast<uint8_t>(run % 2 ? (low & 0x0F) | ((ls & 0x0F) << 4) : (ls & 0x0F));
+    }
+    std::memcpy(row + 2, &high, 2);
+    for (int ch = 0; ch < 16; ++ch) std::memcpy(row + 8 + ch * 8, unit + kCodes + ch * 64 + r * 8, 8);
+  }
+
+#if ROSEINFER_GGUF_VNNI
+  template <int T>
+  static void dot8(const uint8_t* rows, int64_t units, const Activations& a, int64_t m0, float out[][kRows]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(
+        1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129), static_cast<char>(141), static_cast<char>(153),
+        static_cast<char>(166), static_cast<char>(181), static_cast<char>(197), static_cast<char>(217),
+        static_cast<char>(241)));  // kIQ4Values + 128
+    __m512 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < units; ++u) {
+      const uint8_t* unit = rows + u * kBytes;
+      const __m512 d = row_pairs(unit);
+      for (int run = 0; run < 8; ++run) {
+        __m512i codes[4];  // values 32 run + 8 i ..: unsigned, the value + 128
+        for (int c = 0; c < 2; ++c) {
+          const __m512i packed = _mm512_loadu_si512(unit + kCodes + (run * 2 + c) * 64);
+          codes[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(packed, nibble));
+          codes[c + 2] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble));
+        }
+        const __m128i ls = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit + kScales + run * kRows));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(ls, ls))));
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xq = a.q + (m0 + t) * a.q_stride + u * 256 + run * 32;
+          __m512i p = _mm512_setzero_si512();
+          for (int i = 0; i < 4; ++i) p = _mm512_dpbusd_epi32(p, codes[i], broadcast8(xq + 8 * i));
+          const int16_t* s16 = a.sums + (m0 + t) * a.sums_stride + u * 16 + 2 * run;
+          p = _mm512_sub_epi32(p, _mm512_set1_epi32(64 * (s16[0] + s16[1])));  // the +128, half a lane each
+          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
+                                   _mm512_mul_ps(scale, _mm512_set1_ps(a.d[(m0 + t) * a.d_stride + u])), acc[t]);
+        }
       }
     }
     for (int t = 0; t < T; ++t) store_rows(acc[t], out[t]);
@@ -322,7 +413,9 @@ bool with_interleaved_traits(int type, F&& f) {
     case Q4_0x8::kType: f(Q4_0x8{}); return true;
     case Q8_0x8::kType: f(Q8_0x8{}); return true;
     case Q4_Kx8::kType: f(Q4_Kx8{}); return true;
+    case Q5_Kx8::kType: f(Q5_Kx8{}); return true;
     case Q6_Kx8::kType: f(Q6_Kx8{}); return true;
+    case IQ4_XSx8::kType: f(IQ4_XSx8{}); return true;
     default: return false;
   }
 }

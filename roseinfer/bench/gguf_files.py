@@ -1,0 +1,161 @@
+"""`roseinfer bench gguf`: GGUF files as users bring them, roseinfer against llama.cpp in one run.
+
+For each file, each measurement in a process of its own and never beside another:
+  * one stream, tg N: `llama-bench -p 0 -n N` against `LLM.generate` of N tokens after a one-token
+    prompt (greedy, EOS ignored; timed from the first decoded token, as `bench single` does);
+  * prompt processing, pp P: `llama-bench -p P -n 0` against the prefill of a P-token prompt (one
+    request, one token out, timed to its first token; the median of --repeats);
+  * served, S streams at once: `roseinfer serve` and `llama-server -np S -c S*C` through the same
+    client (the shared `serve_client.py`, all S requests at once, EOS ignored), output tokens/s;
+  * load: from process start to the first answer of /health, for both servers;
+  * peak resident memory (VmHWM) of each server over its run.
+Ratios are ours / llama.cpp's, from the same run. The table is printed and written as JSON.
+
+    roseinfer bench gguf --files llama-1b-Q4_K_M.gguf --llama-bin /path/to/llama.cpp/build/bin \\
+        --serve-client ../shared/bench/serve_client.py --prompts-file ../shared/bench/workload.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from roseinfer.bench.compare import _free_port, _roseinfer, _Server
+
+
+def measure_prefill(model: str, prompt_tokens: int, threads: int, repeats: int) -> dict[str, float]:
+    """Ours: the load time and the prefill tokens/s of a `prompt_tokens` prompt (median)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from roseinfer import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(model, kv_cache_memory=0.5, max_num_batched_tokens=prompt_tokens, max_model_len=2 * prompt_tokens)
+    load = time.perf_counter() - started
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate(prompt_token_ids=[[7] * 16], sampling_params=one, use_tqdm=False)  # warm-up
+    rates = []
+    for i in range(repeats):
+        prompt = [(i * 31 + j) % 1000 + 10 for j in range(prompt_tokens)]  # no prefix-cache hits
+        started = time.perf_counter()
+        llm.generate(prompt_token_ids=[prompt], sampling_params=one, use_tqdm=False)
+        rates.append(prompt_tokens / (time.perf_counter() - started))
+    return {"load_s": round(load, 2), "pp": round(statistics.median(rates), 1)}
+
+
+def _fresh(code: str) -> Any:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(result.stderr[-3000:])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _llama_bench(binary: Path, model: Path, prompt: int, tokens: int, threads: int) -> float:
+    result = subprocess.run([str(binary), "-m", str(model), "-p", str(prompt), "-n", str(tokens), "-t", str(threads),
+                             "-o", "json"], capture_output=True, text=True, check=True)
+    return float(json.loads(result.stdout)[0]["avg_ts"])
+
+
+def _served(server_command: list[str], name: str, args: argparse.Namespace) -> dict[str, Any]:
+    port = _free_port()
+    started = time.perf_counter()
+    server = _Server(name, [*server_command, "--port", str(port)], port)
+    load = time.perf_counter() - started
+    try:
+        command = [sys.executable, str(args.serve_client), "--base-url", server.url, "-n", str(args.streams),
+                   "--max-tokens", str(args.max_tokens), "--ignore-eos"]
+        if args.prompts_file:
+            command += ["--prompts-file", str(args.prompts_file)]
+        result = subprocess.run(command, capture_output=True, text=True, check=True)
+        report = json.loads(result.stdout[result.stdout.index("{"):])
+    finally:
+        rss = server.peak_rss_mib()
+        server.stop()
+    return {"output_tok_s": report.get("output_throughput"), "errors": report.get("errors"),
+            "ttft_p50_ms": report.get("ttft_p50_ms"), "tpot_p50_ms": report.get("tpot_p50_ms"),
+            "ready_s": round(load, 2), "peak_rss_mib": rss}
+
+
+def run_files(args: argparse.Namespace) -> int:
+    results: dict[str, dict[str, Any]] = {}
+    bench = args.llama_bin / "llama-bench" if args.llama_bin else None
+    server = args.llama_bin / "llama-server" if args.llama_bin else None
+    for path in args.files:
+        row: dict[str, Any] = {}
+        model = str(path.resolve())
+        print(f"{path.name}:", flush=True)
+        if bench:
+            row["llama_tg"] = _llama_bench(bench, path, 0, args.tokens, args.threads)
+            row["llama_pp"] = _llama_bench(bench, path, args.prompt_tokens, 0, args.threads)
+            print(f"  llama-bench tg{args.tokens} {row['llama_tg']:.1f}, pp{args.prompt_tokens} {row['llama_pp']:.1f}",
+                  flush=True)
+        row["tg"] = _fresh("import json; from roseinfer.bench.single_stream import measure_ours; "
+                           f"print(json.dumps(measure_ours({model!r}, {{}}, {args.tokens}, {args.threads})))")
+        prefill = _fresh("import json; from roseinfer.bench.gguf_files import measure_prefill; "
+                         f"print(json.dumps(measure_prefill({model!r}, {args.prompt_tokens}, {args.threads}, "
+                         f"{args.repeats})))")
+        row.update(pp=prefill["pp"], load_s=prefill["load_s"])
+        print(f"  roseinfer tg{args.tokens} {row['tg']:.1f}, pp{args.prompt_tokens} {row['pp']:.1f}, "
+              f"load {row['load_s']} s", flush=True)
+        if args.serve_client:
+            blocks = -(-args.context * args.streams // 16)
+            row["served"] = _served(_roseinfer("serve", "--model", model, "--max-num-seqs", str(args.streams),
+                                               "--num-kv-blocks", str(blocks), "--max-model-len", str(args.context)),
+                                    "roseinfer", args)
+            print(f"  roseinfer served {row['served']}", flush=True)
+            if server:
+                row["llama_served"] = _served([str(server), "-m", model, "-np", str(args.streams), "-c",
+                                               str(args.context * args.streams), "-t", str(args.threads),
+                                               "--host", "127.0.0.1"], "llama-server", args)
+                print(f"  llama-server served {row['llama_served']}", flush=True)
+        results[path.name] = row
+    _print_table(results, args)
+    if args.json:
+        args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items() if k != "handler"},
+                                         "load_average": os.getloadavg(), "results": results}, indent=2))
+    return 0
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    return f"{ours / theirs:.2f}x" if ours and theirs else "-"
+
+
+def _print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    print(f"\n{'file':<28}{'tg' + str(args.tokens):>20}{'pp' + str(args.prompt_tokens):>20}"
+          f"{str(args.streams) + ' served':>22}{'peak RSS MiB':>22}{'ready s':>14}")
+    for name, row in results.items():
+        ours, theirs = row.get("served", {}), row.get("llama_served", {})
+        tg = f"{row['tg']:.1f} ({_ratio(row['tg'], row.get('llama_tg'))})"
+        pp = f"{row['pp']:.1f} ({_ratio(row['pp'], row.get('llama_pp'))})"
+        served = f"{ours.get('output_tok_s', '-')} ({_ratio(ours.get('output_tok_s'), theirs.get('output_tok_s'))})"
+        rss = f"{ours.get('peak_rss_mib', '-')} / {theirs.get('peak_rss_mib', '-')}"
+        ready = f"{ours.get('ready_s', row['load_s'])} / {theirs.get('ready_s', '-')}"
+        print(f"{name:<28}{tg:>20}{pp:>20}{served:>22}{rss:>22}{ready:>14}")
+    print("(ours (ours / llama.cpp); RSS and ready time: ours / llama-server's)")
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    parser = kinds.add_parser("gguf", help="GGUF files: tg, pp, served streams, memory and load against llama.cpp")
+    parser.add_argument("--files", type=Path, nargs="+", required=True)
+    parser.add_argument("--llama-bin", type=Path, default=None,
+                        help="llama.cpp's build/bin (llama-bench, llama-server); peers skipped if not given")
+    parser.add_argument("--serve-client", type=Path, default=None,
+                        help="the shared serve_client.py; served figures skipped if not given")
+    parser.add_argument("--prompts-file", type=Path, default=None, help="the client's prompts (JSONL)")
+    parser.add_argument("--tokens", type=int, default=128, help="tg: tokens generated (default 128)")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="pp: prompt tokens (default 512)")
+    parser.add_argument("--streams", type=int, default=16, help="requests served at once (default 16)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="served: tokens per request (default 128)")
+    parser.add_argument("--context", type=int, default=1024, help="served: context per stream (default 1024)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--repeats", type=int, default=2, help="pp: prompts timed (median)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.set_defaults(handler=run_files)
