@@ -114,6 +114,18 @@ def test_large_batches_multiply_bfloat16_inputs_where_the_cpu_has_them(name, wei
     assert relative_error(out, reference) < 2e-6
 
 
+@pytest.mark.parametrize(("name", "columns"), [("Q4_K", 4608), ("Q8_0", 2336)])
+def test_large_batches_over_long_rows_sum_the_row_in_slices(name, columns):
+    """Past 2048 inputs a panel covers a slice of them at a time and the slices' products add up."""
+    raw = random_blocks(name, 56, columns, seed=5)
+    qtype = GGMLQuantizationType[name]
+    values = dequantize(raw, qtype).reshape(56, columns).astype(np.float64)
+    packed, kernel_type = kernels.gguf_pack(torch.from_numpy(raw), int(qtype), columns)
+    x = torch.randn(DOT_ROWS + 8, columns, generator=torch.Generator().manual_seed(6))
+    exact = kernels.gguf_linear(x, [packed], [kernel_type], None, True)
+    assert relative_error(exact, x.double().numpy() @ values.T) < 5e-6
+
+
 def test_parts_of_different_types_stack_along_the_outputs_with_a_bias():
     parts = [weight("Q4_K", rows=16, seed=1), weight("Q6_K", rows=8, seed=2), weight("Q4_K", rows=5, seed=3)]
     assert [p[3] for p in parts] == [12 + 256, 14 + 256, 12] or kernels.gguf_kernel_isa() != "avx512-vnni"

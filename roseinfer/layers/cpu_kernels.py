@@ -80,8 +80,11 @@ def _cpu_fingerprint() -> str:
 
 def _source_fingerprint() -> str:
     """Changes with any source, header or flag, so an edited header rebuilds the module too (PyTorch
-    tracks the listed sources only) and two checkouts' different kernels never share a build."""
+    tracks the listed sources only), and with the checkout's path: two checkouts never share a build."""
     digest = hashlib.sha1(" ".join(_FLAGS).encode())
+    # and with the checkout: PyTorch's build file names the sources by their paths, so two
+    # checkouts of the same sources sharing a build directory would each rebuild it for the other.
+    digest.update(str(Path(__file__).resolve().parent).encode())
     for path in sorted((Path(__file__).parent / "csrc").iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:8]

@@ -188,11 +188,13 @@ void panel_matmul(const float* x, int64_t M, int64_t K, const float* panels, int
 void panel_matmul(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* panels, int64_t panel_count,
                   const float* bias, int64_t N, c10::BFloat16* out);
 
-// Every row of x [M, K] against one panel of pack_panels' layout ([K / S][48][S]), on the calling
-// thread: out[m * N + c] for the panel's first `columns` columns, float32 (unrounded).
-void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, float* out, int64_t N, int64_t columns);
-void panel_rows(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* panel, float* out, int64_t N,
-                int64_t columns);
+// Every row of x [M, K] (rows ldx apart) against one panel of pack_panels' layout ([K / S][48][S]),
+// on the calling thread: out[m * N + c] for the panel's first `columns` columns, float32
+// (unrounded), or added to it (`accumulate`: a panel of a slice of the inputs).
+void panel_rows(const float* x, int64_t M, int64_t K, int64_t ldx, const float* panel, float* out, int64_t N,
+                int64_t columns, bool accumulate);
+void panel_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t ldx, const c10::BFloat16* panel, float* out,
+                int64_t N, int64_t columns, bool accumulate);
 bool has_panel_kernel(c10::ScalarType dtype);
 constexpr int64_t kPanelWidth = 48;  // output columns per panel (panel_linear_cpu.cpp)
 

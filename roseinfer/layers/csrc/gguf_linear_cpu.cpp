@@ -289,16 +289,17 @@ inline void transpose16(__m512 v[16]) {
   }
 }
 
-// Columns [first, first + columns) of the weight (columns <= 48) into one panel of the panel
-// kernel's layout, [K / S][48][S] of T (past `columns`: zeros): 16 weight rows at a time, one unit
-// expanded exactly into `tile` (16 x kValues floats), then turned to the panel's order 16 x 16
-// values (bfloat16: value pairs) at a time in registers.
+// Columns [first, first + columns) of the weight (columns <= 48), units [u0, u1) of their inputs,
+// into one panel of the panel kernel's layout, [inputs / S][48][S] of T (past `columns`: zeros):
+// 16 weight rows at a time, one unit expanded exactly into `tile` (16 x kValues floats), then
+// turned to the panel's order 16 x 16 values (bfloat16: value pairs) at a time in registers.
 template <typename Tr, typename T>
-void expand_panel(const uint8_t* w, int64_t first, int64_t columns, int64_t K, int64_t units, T* panel, float* tile) {
+void expand_panel(const uint8_t* w, int64_t first, int64_t columns, int64_t K, int64_t units, int64_t u0, int64_t u1,
+                  T* panel, float* tile) {
   constexpr int64_t S = std::is_same_v<T, float> ? 1 : 2, P = roseinfer::kPanelWidth, V = Tr::kValues;
   for (int64_t c0 = 0; c0 < P; c0 += 16) {
     const int64_t rows = std::clamp<int64_t>(columns - c0, 0, 16);
-    for (int64_t u = 0; u < units; ++u) {
+    for (int64_t u = u0; u < u1; ++u) {
       for (int64_t r = 0; r < 16; ++r) {
         if (r < rows) {
           dequantize_unit<Tr>(w, first + c0 + r, u, units, tile + r * V);
@@ -306,7 +307,7 @@ void expand_panel(const uint8_t* w, int64_t first, int64_t columns, int64_t K, i
           std::fill(tile + r * V, tile + (r + 1) * V, 0.0f);
         }
       }
-      const int64_t k0 = u * V, count = std::min<int64_t>(V, K - k0);
+      const int64_t k0 = (u - u0) * V, count = std::min<int64_t>(V, K - u * V);
       for (int64_t k = 0; k < count; k += 16 * S) {
         __m512 v[16];
         for (int r = 0; r < 16; ++r) {
@@ -330,7 +331,10 @@ void expand_panel(const uint8_t* w, int64_t first, int64_t columns, int64_t K, i
 #endif
 
 // The weight a panel of 48 rows at a time, expanded into the panel kernel's layout ([K / S][48][S]
-// of T), against every row of x (already of type T).
+// of T), against every row of x (already of type T). Inputs in slices of at most kPanelInputs, so
+// that a panel (48 x 2048 bfloat16: 192 KiB) stays in the core's cache while every row reads it.
+constexpr int64_t kPanelInputs = 2048;
+
 template <typename Tr, typename T>
 void panel_matmul_blocks([[maybe_unused]] const T* x, [[maybe_unused]] int64_t M, [[maybe_unused]] int64_t K,
                          [[maybe_unused]] const uint8_t* w, [[maybe_unused]] int64_t N, [[maybe_unused]] float* out,
@@ -338,13 +342,18 @@ void panel_matmul_blocks([[maybe_unused]] const T* x, [[maybe_unused]] int64_t M
 #if defined(__AVX512F__)
   constexpr int64_t P = roseinfer::kPanelWidth;
   const int64_t units = units_of<Tr>(K), panels = (N + P - 1) / P;
+  const int64_t slice_units = std::max<int64_t>(1, kPanelInputs / Tr::kValues);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> tile(16 * Tr::kValues);
-    std::vector<T> panel(K * P);
+    std::vector<T> panel(std::min(K, slice_units * Tr::kValues) * P);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t first = p * P, columns = std::min(P, N - first);
-      expand_panel<Tr, T>(w, first, columns, K, units, panel.data(), tile.data());
-      roseinfer::panel_rows(x, M, K, panel.data(), out + first, ldo, columns);
+      for (int64_t u0 = 0; u0 < units; u0 += slice_units) {
+        const int64_t u1 = std::min(units, u0 + slice_units), k0 = u0 * Tr::kValues;
+        const int64_t inputs = std::min(K, u1 * Tr::kValues) - k0;
+        expand_panel<Tr, T>(w, first, columns, K, units, u0, u1, panel.data(), tile.data());
+        roseinfer::panel_rows(x + k0, M, inputs, K, panel.data(), out + first, ldo, columns, u0 > 0);
+      }
     }
   });
 #endif

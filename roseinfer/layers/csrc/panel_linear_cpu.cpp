@@ -61,15 +61,25 @@ constexpr int64_t kStep = std::is_same_v<T, float> ? 1 : 2;
 
 // out[r][c] = bias[c] + sum_k x[r][k] w[c][k] for R rows of x and one panel's `columns` columns.
 // Prefetches `prefetch_lines` cache lines from `prefetch` (a share of the next panel) on the way.
-// O: the outputs' type, T (rounded once) or float32 (unrounded).
-template <typename T, int R, typename O = T>
+// O: the outputs' type, T (rounded once) or float32 (unrounded). Rows of x are ldx apart (ldx = K
+// but for a slice of the inputs); Accumulate (float32 outputs): out += the product instead.
+template <typename T, int R, typename O = T, bool Accumulate = false>
 void panel_tile(const T* __restrict x, int64_t K, const T* __restrict panel, const float* __restrict bias,
-                const char* prefetch, int64_t prefetch_lines, O* __restrict out, int64_t N, int64_t columns) {
+                const char* prefetch, int64_t prefetch_lines, O* __restrict out, int64_t N, int64_t columns,
+                int64_t ldx = 0) {
   constexpr int64_t S = kStep<T>;
+  if (ldx == 0) ldx = K;
   __m512 acc[R][kPanelVectors];
   for (int v = 0; v < kPanelVectors; ++v) {
     const __m512 start = bias ? _mm512_loadu_ps(bias + v * 16) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) acc[r][v] = start;
+  }
+  if constexpr (Accumulate) {
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kPanelVectors && v * 16 < columns; ++v) {
+        const __mmask16 mask = columns - v * 16 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (columns - v * 16)) - 1);
+        acc[r][v] = _mm512_add_ps(acc[r][v], _mm512_maskz_loadu_ps(mask, out + r * N + v * 16));
+      }
   }
   const int64_t steps = K / S;
   for (int64_t s = 0; s < steps; ++s) {
@@ -79,7 +89,7 @@ void panel_tile(const T* __restrict x, int64_t K, const T* __restrict panel, con
       __m512 wv[kPanelVectors];
       for (int v = 0; v < kPanelVectors; ++v) wv[v] = _mm512_loadu_ps(w + v * 16);
       for (int r = 0; r < R; ++r) {
-        const __m512 xr = _mm512_set1_ps(x[r * K + s]);
+        const __m512 xr = _mm512_set1_ps(x[r * ldx + s]);
         for (int v = 0; v < kPanelVectors; ++v) acc[r][v] = _mm512_fmadd_ps(xr, wv[v], acc[r][v]);
       }
     } else {
@@ -88,7 +98,7 @@ void panel_tile(const T* __restrict x, int64_t K, const T* __restrict panel, con
       for (int v = 0; v < kPanelVectors; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + v * 32);
       for (int r = 0; r < R; ++r) {
         uint32_t pair;
-        std::memcpy(&pair, x + r * K + 2 * s, sizeof(pair));
+        std::memcpy(&pair, x + r * ldx + 2 * s, sizeof(pair));
         const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
         for (int v = 0; v < kPanelVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xr, wv[v]);
       }
@@ -144,14 +154,15 @@ void panel_pass(const T* x, int64_t M, int64_t K, const T* panels, int64_t panel
 
 // Every row of x against one packed panel, on the calling thread, float32 outputs: for callers
 // that build panels as they go (blocked weights expanded a panel at a time, gguf_linear_cpu.cpp).
-template <typename T>
-void panel_rows_impl(const T* x, int64_t M, int64_t K, const T* panel, float* out, int64_t N, int64_t columns) {
+template <typename T, bool Accumulate>
+void panel_rows_impl(const T* x, int64_t M, int64_t K, int64_t ldx, const T* panel, float* out, int64_t N,
+                     int64_t columns) {
   for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-    const T* xt = x + m0 * K;
+    const T* xt = x + m0 * ldx;
     float* ot = out + m0 * N;
     switch (std::min(kTileRows, M - m0)) {
 #define ROSEINFER_TILE(R) \
-  case R: panel_tile<T, R, float>(xt, K, panel, nullptr, nullptr, 0, ot, N, columns); break;
+  case R: panel_tile<T, R, float, Accumulate>(xt, K, panel, nullptr, nullptr, 0, ot, N, columns, ldx); break;
       ROSEINFER_TILE(1) ROSEINFER_TILE(2) ROSEINFER_TILE(3) ROSEINFER_TILE(4)
       ROSEINFER_TILE(5) ROSEINFER_TILE(6) ROSEINFER_TILE(7) ROSEINFER_TILE(8)
 #undef ROSEINFER_TILE
@@ -197,20 +208,31 @@ void panel_matmul([[maybe_unused]] const c10::BFloat16* x, [[maybe_unused]] int6
 }
 
 void panel_rows([[maybe_unused]] const float* x, [[maybe_unused]] int64_t M, [[maybe_unused]] int64_t K,
-                [[maybe_unused]] const float* panel, [[maybe_unused]] float* out, [[maybe_unused]] int64_t N,
-                [[maybe_unused]] int64_t columns) {
+                [[maybe_unused]] int64_t ldx, [[maybe_unused]] const float* panel, [[maybe_unused]] float* out,
+                [[maybe_unused]] int64_t N, [[maybe_unused]] int64_t columns, [[maybe_unused]] bool accumulate) {
   TORCH_CHECK(has_panels(torch::kFloat), "this build has no float32 panel kernel");
 #if ROSEINFER_PANELS
-  panel_rows_impl(x, M, K, panel, out, N, columns);
+  if (accumulate) {
+    panel_rows_impl<float, true>(x, M, K, ldx, panel, out, N, columns);
+  } else {
+    panel_rows_impl<float, false>(x, M, K, ldx, panel, out, N, columns);
+  }
 #endif
 }
 
 void panel_rows([[maybe_unused]] const c10::BFloat16* x, [[maybe_unused]] int64_t M, [[maybe_unused]] int64_t K,
-                [[maybe_unused]] const c10::BFloat16* panel, [[maybe_unused]] float* out,
-                [[maybe_unused]] int64_t N, [[maybe_unused]] int64_t columns) {
+                [[maybe_unused]] int64_t ldx, [[maybe_unused]] const c10::BFloat16* panel,
+                [[maybe_unused]] float* out, [[maybe_unused]] int64_t N, [[maybe_unused]] int64_t columns,
+                [[maybe_unused]] bool accumulate) {
   TORCH_CHECK(has_panels(torch::kBFloat16), "this build has no bfloat16 panel kernel");
 #if ROSEINFER_BF16_PANELS
-  panel_rows_impl(reinterpret_cast<const uint16_t*>(x), M, K, reinterpret_cast<const uint16_t*>(panel), out, N, columns);
+  const auto* xs = reinterpret_cast<const uint16_t*>(x);
+  const auto* ws = reinterpret_cast<const uint16_t*>(panel);
+  if (accumulate) {
+    panel_rows_impl<uint16_t, true>(xs, M, K, ldx, ws, out, N, columns);
+  } else {
+    panel_rows_impl<uint16_t, false>(xs, M, K, ldx, ws, out, N, columns);
+  }
 #endif
 }
 
