@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from support import EXACT
 
 from roseinfer import (
     EngineConfig,
@@ -29,7 +30,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 @pytest.fixture(scope="module", params=["thread", "process"])
 def async_llm(request):
-    engine = AsyncLLM(EngineConfig(kv_cache_memory=0.25), engine_core=request.param, max_queue_len=8)
+    engine = AsyncLLM(EngineConfig(kv_cache_memory=0.25, **EXACT), engine_core=request.param, max_queue_len=8)
     yield engine
     engine.shutdown()
 
@@ -133,7 +134,7 @@ def test_seed_online_scheduler_and_scheduler_manager(default_engine):
 
     # SchedulerManager: the event-loop bridge, here over an engine built in its thread.
     tokenizer = default_engine.tokenizer
-    manager = SchedulerManager(lambda: InferenceEngine(kv_cache_memory=0.25))
+    manager = SchedulerManager(lambda: InferenceEngine(kv_cache_memory=0.25, **EXACT))
 
     async def run() -> str:
         request_id = manager.add(tokenizer.encode("The capital of Italy is"), SamplingParams(temperature=0, max_tokens=8))

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from support import EXACT_FLAGS
 
 from roseinfer import SamplingParams
 
@@ -31,7 +32,8 @@ def expected_output(llm, prompts: list[str], chat: bool) -> str:
 @pytest.mark.parametrize("chat", [False, True])
 def test_generate_prints_each_request_like_the_seed(default_llm, chat):
     flags = ["--chat"] if chat else []
-    result = run_cli("-m", "roseinfer.cli", "generate", *flags, "--max-new-tokens", str(NEW_TOKENS), *PROMPTS)
+    result = run_cli("-m", "roseinfer.cli", "generate", *flags, *EXACT_FLAGS, "--max-new-tokens", str(NEW_TOKENS),
+                     *PROMPTS)
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected_output(default_llm, PROMPTS, chat)
 
@@ -39,7 +41,7 @@ def test_generate_prints_each_request_like_the_seed(default_llm, chat):
 def test_seed_offline_example_flags(default_llm):
     result = run_cli(
         "-m", "roseinfer.offline_example", "--prompts", *PROMPTS, "--max-new-tokens", str(NEW_TOKENS),
-        "--no-amp",
+        "--no-amp", *EXACT_FLAGS,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected_output(default_llm, PROMPTS, chat=False)

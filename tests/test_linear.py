@@ -148,7 +148,7 @@ def test_tiny_llama_per_kernel_against_transformers(quantization, tmp_path):
     bfloat16 dot products), by that rounding through 2 layers (test_gguf_kernels.py checks each
     product against exactly that rounding)."""
     reference = tiny_hf_model("llama", tmp_path / "llama")
-    engine = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=32, quantization=quantization)
+    engine = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=32, quantization=quantization, device="cpu")
     rounded_activations = quantization in ("int8", "int4")
     tolerance = 0.1 if rounded_activations else 1e-3
     kinds = {type(m).__name__ for m in engine.model.modules()}
@@ -173,7 +173,7 @@ def test_tiny_llama_in_bfloat16_against_transformers(tmp_path):
     rounding of activations to bfloat16 (2^-8 relative) through 2 layers; measured 0.028 with
     either kernel, against logits spread about 0.8."""
     reference = tiny_hf_model("llama", tmp_path / "llama")
-    engine = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=32, dtype="bfloat16")
+    engine = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=32, dtype="bfloat16", device="cpu")
     kinds = {type(m).__name__ for m in engine.model.modules()}
     expected = "PanelLinear" if "bfloat16" in panel_dtypes() else "PrepackedLinear"
     assert expected in kinds and "Linear" not in kinds
@@ -188,7 +188,7 @@ def test_auto_follows_a_bfloat16_checkpoints_dtype_where_the_cpu_has_bfloat16_pr
 
     model = tiny_hf_model("llama", tmp_path / "llama")
     model.to(torch.bfloat16).save_pretrained(tmp_path / "llama")  # config.json now says bfloat16
-    auto = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=16)
+    auto = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=16, device="cpu")
     assert auto.dtype == (torch.bfloat16 if cpu_has_bfloat16_dot_products() else torch.float32)
-    exact = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=16, quantization="none")
+    exact = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=16, quantization="none", device="cpu")
     assert exact.dtype == torch.float32

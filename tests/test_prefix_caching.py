@@ -4,6 +4,7 @@ preempted request holding cached blocks, an evicted block found through a stale 
 computing the same new prefix in one step)."""
 
 import pytest
+from support import EXACT
 
 from roseinfer import LLM, SamplingParams
 
@@ -38,7 +39,7 @@ def assert_all_blocks_free(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def uncached():
-    return LLM(num_kv_blocks=256, enable_prefix_caching=False)
+    return LLM(**EXACT, num_kv_blocks=256, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def reference(uncached, prompts) -> list[list[int]]:
 
 
 def test_shared_system_prompt_is_computed_once_and_outputs_are_identical(prompts, reference):
-    llm = LLM(num_kv_blocks=256)
+    llm = LLM(**EXACT, num_kv_blocks=256)
     kv, stats = llm.engine.kv_cache, llm.engine.scheduler.stats
     assert generate(llm, prompts[:1]) == reference[:1]
     computed_alone = stats.num_scheduled_tokens
@@ -66,7 +67,7 @@ def test_shared_system_prompt_is_computed_once_and_outputs_are_identical(prompts
 
 
 def test_a_prompt_that_is_all_cached_still_computes_its_last_token(prompts, reference):
-    llm = LLM(num_kv_blocks=256)
+    llm = LLM(**EXACT, num_kv_blocks=256)
     block_size = llm.engine.kv_cache.block_size
     # A prompt of whole blocks: every block is cached after the first run.
     whole = prompts[0][: len(prompts[0]) // block_size * block_size]
@@ -80,7 +81,7 @@ def test_a_prompt_that_is_all_cached_still_computes_its_last_token(prompts, refe
 
 def test_preempted_requests_holding_cached_blocks_give_the_same_output(prompts, reference):
     # 6 prompts of ~70 tokens (5 blocks each) + outputs in 28 blocks: preemption is certain.
-    llm = LLM(num_kv_blocks=28, max_num_seqs=6)
+    llm = LLM(**EXACT, num_kv_blocks=28, max_num_seqs=6)
     assert generate(llm, prompts) == reference
     assert llm.engine.scheduler.stats.num_preemptions > 0
     assert llm.engine.kv_cache.prefix_stats.hits > 0
@@ -88,7 +89,7 @@ def test_preempted_requests_holding_cached_blocks_give_the_same_output(prompts, 
 
 
 def test_evicted_blocks_are_never_found_through_stale_keys(prompts, reference):
-    llm = LLM(num_kv_blocks=12, max_num_seqs=1)  # room for one request: every run evicts
+    llm = LLM(**EXACT, num_kv_blocks=12, max_num_seqs=1)  # room for one request: every run evicts
     for _ in range(2):
         for prompt, expected in zip(prompts, reference, strict=True):
             assert generate(llm, [prompt]) == [expected]
@@ -97,7 +98,7 @@ def test_evicted_blocks_are_never_found_through_stale_keys(prompts, reference):
 
 
 def test_two_requests_with_the_same_new_prefix_in_one_step(prompts, reference):
-    llm = LLM(num_kv_blocks=256)
+    llm = LLM(**EXACT, num_kv_blocks=256)
     assert generate(llm, [prompts[0], prompts[0], prompts[1]]) == [reference[0], reference[0], reference[1]]
     assert llm.engine.scheduler.stats.max_batch_requests == 3  # all three prefilled together
     # Their duplicate blocks were not cached twice; a later request finds one copy.
@@ -109,14 +110,14 @@ def test_two_requests_with_the_same_new_prefix_in_one_step(prompts, reference):
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_n_sequences_share_the_prompt_blocks(prompts, prefix_caching):
-    llm = LLM(num_kv_blocks=256, enable_prefix_caching=prefix_caching)
+    llm = LLM(**EXACT, num_kv_blocks=256, enable_prefix_caching=prefix_caching)
     params = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=8, ignore_eos=True)
     stats = llm.engine.scheduler.stats
     (together,) = llm.generate(prompt_token_ids=[prompts[2]], sampling_params=params, use_tqdm=False)
     # One prompt computation, plus the last prompt token again for each of the two others.
     assert stats.num_scheduled_tokens == len(prompts[2]) + 2 + 3 * 7
     # Each sequence equals a request of its own with its own seed (seed + index).
-    llm_alone = LLM(num_kv_blocks=256, enable_prefix_caching=False)
+    llm_alone = LLM(**EXACT, num_kv_blocks=256, enable_prefix_caching=False)
     for index, completion in enumerate(together.outputs):
         alone = SamplingParams(temperature=0.8, seed=11 + index, max_tokens=8, ignore_eos=True)
         assert completion.token_ids == generate(llm_alone, [prompts[2]], alone)[0]

@@ -22,6 +22,7 @@ from http.client import HTTPConnection
 import httpx
 import pytest
 from live_server import ServerProcess, metric
+from support import EXACT_FLAGS
 
 from roseinfer.worker.fault_injection import FAULT_TOKEN_ENV
 
@@ -30,7 +31,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 FAULT_TOKEN = 49000
 SHUTDOWN_TIMEOUT = 2
 REQUEST_TIMEOUT = 30  # long enough for the other tests on 2 busy cores
-FLAGS = ("--api-key", KEY, "--protect-metrics", "--max-request-body-bytes", "20000", "--max-prompt-chars", "5000",
+FLAGS = (*EXACT_FLAGS, "--api-key", KEY, "--protect-metrics", "--max-request-body-bytes", "20000", "--max-prompt-chars", "5000",
          "--max-stop", "4", "--max-stop-chars", "16", "--request-timeout", str(REQUEST_TIMEOUT),
          "--shutdown-timeout", str(SHUTDOWN_TIMEOUT))
 FAULT_ENV = {FAULT_TOKEN_ENV: str(FAULT_TOKEN)}

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from live_server import ServerProcess, metric
+from support import EXACT_FLAGS
 
 from roseinfer import SamplingParams
 
@@ -30,7 +31,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    process = ServerProcess()
+    process = ServerProcess(*EXACT_FLAGS)
     yield process
     assert process.stop() == 0, process.output()
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from support import EXACT
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.worker.spec_decode import verify_drafts
@@ -49,7 +50,7 @@ def greedy_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("kv_blocks", [None, 14])
 def test_greedy_is_token_identical_with_speculation(prompts, reference, kv_blocks):
-    llm = LLM(speculative_config=SPEC, max_num_seqs=10,
+    llm = LLM(speculative_config=SPEC, max_num_seqs=10, **EXACT,
               **({"num_kv_blocks": kv_blocks} if kv_blocks else {"kv_cache_memory": 0.25}))
     assert greedy_tokens(llm, prompts) == reference
     one_by_one = [greedy_tokens(llm, [p])[0] for p in prompts[-2:]]  # alone: a batch under the size limit

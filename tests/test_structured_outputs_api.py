@@ -15,7 +15,7 @@ import openai
 import pytest
 from live_server import ServerProcess, metric
 from pydantic import BaseModel, Field
-from support import tiny_hf_model
+from support import EXACT_FLAGS, tiny_hf_model
 
 from roseinfer import SamplingParams
 from roseinfer.structured_output import StructuredOutputsParams
@@ -66,7 +66,7 @@ TIME = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    process = ServerProcess("--kv-cache-memory", "0.25")
+    process = ServerProcess("--kv-cache-memory", "0.25", *EXACT_FLAGS)
     yield process
     assert process.stop() == 0, process.output()
 

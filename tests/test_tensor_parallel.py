@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import tiny_hf_model
+from support import EXACT, tiny_hf_model
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.config import EngineConfig
@@ -158,8 +158,8 @@ def test_default_model(tmp_path):
     """The default model has 3 KV heads: rank 0 holds two, rank 1 one (and their query heads)."""
     from engine_fixtures import PROMPT_TEXTS
 
-    one = LLM(kv_cache_memory=0.25, enable_prefix_caching=False)
-    two = LLM(kv_cache_memory=0.25, enable_prefix_caching=False, tensor_parallel_size=2)
+    one = LLM(kv_cache_memory=0.25, enable_prefix_caching=False, **EXACT)
+    two = LLM(kv_cache_memory=0.25, enable_prefix_caching=False, tensor_parallel_size=2, **EXACT)
     try:
         executor = two.llm_engine.engine_core.executor
         assert [s["kv_heads"] for s in executor.collective_rpc("cache_state")] == [2, 1]

@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 from live_server import ServerProcess, metric
+from support import EXACT_FLAGS
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 expect = playwright_api.expect
@@ -27,7 +28,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 MODEL = "SmolLM2-135M-Instruct"
-SERVER_FLAGS = ("--kv-cache-memory", "0.5")  # a few short chats need little
+SERVER_FLAGS = ("--kv-cache-memory", "0.5", *EXACT_FLAGS)  # a few short chats need little
 ANSWER_TIMEOUT_MS = 120_000  # a bound for a short answer on a busy 2-core machine, not a timing
 RUNNING = "roseinfer:num_requests_running"
 
