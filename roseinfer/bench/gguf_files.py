@@ -79,8 +79,9 @@ def _served(server_command: list[str], name: str, args: argparse.Namespace) -> d
     finally:
         rss = server.peak_rss_mib()
         server.stop()
-    return {"output_tok_s": report.get("output_throughput"), "errors": report.get("errors"),
-            "ttft_p50_ms": report.get("ttft_p50_ms"), "tpot_p50_ms": report.get("tpot_p50_ms"),
+    # The shared client's report: output_tok_s, and nested percentiles (ttft_ms.p50, ...).
+    return {"output_tok_s": report["output_tok_s"], "errors": report["errors"],
+            "ttft_p50_ms": report["ttft_ms"]["p50"], "tpot_p50_ms": report["tpot_ms"]["p50"],
             "ready_s": round(load, 2), "peak_rss_mib": rss}
 
 
@@ -92,20 +93,21 @@ def run_files(args: argparse.Namespace) -> int:
         row: dict[str, Any] = {}
         model = str(path.resolve())
         print(f"{path.name}:", flush=True)
-        if bench:
+        if bench and "tg" in args.parts:
             row["llama_tg"] = _llama_bench(bench, path, 0, args.tokens, args.threads)
             row["llama_pp"] = _llama_bench(bench, path, args.prompt_tokens, 0, args.threads)
             print(f"  llama-bench tg{args.tokens} {row['llama_tg']:.1f}, pp{args.prompt_tokens} {row['llama_pp']:.1f}",
                   flush=True)
-        row["tg"] = _fresh("import json; from roseinfer.bench.single_stream import measure_ours; "
-                           f"print(json.dumps(measure_ours({model!r}, {{}}, {args.tokens}, {args.threads})))")
-        prefill = _fresh("import json; from roseinfer.bench.gguf_files import measure_prefill; "
-                         f"print(json.dumps(measure_prefill({model!r}, {args.prompt_tokens}, {args.threads}, "
-                         f"{args.repeats})))")
-        row.update(pp=prefill["pp"], load_s=prefill["load_s"])
-        print(f"  roseinfer tg{args.tokens} {row['tg']:.1f}, pp{args.prompt_tokens} {row['pp']:.1f}, "
-              f"load {row['load_s']} s", flush=True)
-        if args.serve_client:
+        if "tg" in args.parts:
+            row["tg"] = _fresh("import json; from roseinfer.bench.single_stream import measure_ours; "
+                               f"print(json.dumps(measure_ours({model!r}, {{}}, {args.tokens}, {args.threads})))")
+            prefill = _fresh("import json; from roseinfer.bench.gguf_files import measure_prefill; "
+                             f"print(json.dumps(measure_prefill({model!r}, {args.prompt_tokens}, {args.threads}, "
+                             f"{args.repeats})))")
+            row.update(pp=prefill["pp"], load_s=prefill["load_s"])
+            print(f"  roseinfer tg{args.tokens} {row['tg']:.1f}, pp{args.prompt_tokens} {row['pp']:.1f}, "
+                  f"load {row['load_s']} s", flush=True)
+        if args.serve_client and "served" in args.parts:
             blocks = -(-args.context * args.streams // 16)
             row["served"] = _served(_roseinfer("serve", "--model", model, "--max-num-seqs", str(args.streams),
                                                "--num-kv-blocks", str(blocks), "--max-model-len", str(args.context)),
@@ -133,11 +135,11 @@ def _print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -
           f"{str(args.streams) + ' served':>22}{'peak RSS MiB':>22}{'ready s':>14}")
     for name, row in results.items():
         ours, theirs = row.get("served", {}), row.get("llama_served", {})
-        tg = f"{row['tg']:.1f} ({_ratio(row['tg'], row.get('llama_tg'))})"
-        pp = f"{row['pp']:.1f} ({_ratio(row['pp'], row.get('llama_pp'))})"
+        tg = f"{row['tg']:.1f} ({_ratio(row['tg'], row.get('llama_tg'))})" if "tg" in row else "-"
+        pp = f"{row['pp']:.1f} ({_ratio(row['pp'], row.get('llama_pp'))})" if "pp" in row else "-"
         served = f"{ours.get('output_tok_s', '-')} ({_ratio(ours.get('output_tok_s'), theirs.get('output_tok_s'))})"
         rss = f"{ours.get('peak_rss_mib', '-')} / {theirs.get('peak_rss_mib', '-')}"
-        ready = f"{ours.get('ready_s', row['load_s'])} / {theirs.get('ready_s', '-')}"
+        ready = f"{ours.get('ready_s', row.get('load_s', '-'))} / {theirs.get('ready_s', '-')}"
         print(f"{name:<28}{tg:>20}{pp:>20}{served:>22}{rss:>22}{ready:>14}")
     print("(ours (ours / llama.cpp); RSS and ready time: ours / llama-server's)")
 
@@ -157,5 +159,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--context", type=int, default=1024, help="served: context per stream (default 1024)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeats", type=int, default=2, help="pp: prompts timed (median)")
+    parser.add_argument("--parts", nargs="+", choices=("tg", "served"), default=["tg", "served"],
+                        help="tg: one stream and prompt processing (llama-bench and ours); served: both servers")
     parser.add_argument("--json", type=Path, default=None)
     parser.set_defaults(handler=run_files)
