@@ -27,6 +27,8 @@ from roseinfer.sampling_params import SamplingParams
 from roseinfer.tokenizer import Tokenizer
 
 _SEED_SPACE = 2**64  # seeds torch accepts: [-2**63, 2**64)
+# A salt is a tenant's id or secret, not a document: this bounds what each request hashes.
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass
@@ -91,15 +93,18 @@ class InputProcessor:
         add_special_tokens: bool = True,
         strict_max_tokens: bool = False,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> ProcessedRequest:
         """Check and tokenize one request; raises InvalidRequestError (ContextLengthError for
-        the context rule) naming the field."""
+        the context rule) naming the field. `cache_salt` (vLLM's): the request shares prefix-cache
+        blocks only with requests of the same salt."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        _check_cache_salt(cache_salt)
         self._check_stop_limits(params)
         text, token_ids = self.prompt_token_ids(prompt, add_special_tokens)
         params = self._resolve_params(params, len(token_ids), strict_max_tokens)
-        return ProcessedRequest(request_id, text, token_ids, params,
-                                self._fan_out(request_id, token_ids, params, arrival), arrival)
+        core_requests = self._fan_out(request_id, token_ids, params, arrival, cache_salt)
+        return ProcessedRequest(request_id, text, token_ids, params, core_requests, arrival)
 
     # -- prompts --------------------------------------------------------------------------
     def render_chat(self, chat: ChatPrompt) -> str:
@@ -207,10 +212,11 @@ class InputProcessor:
         return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 
     def _fan_out(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float
+        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float, cache_salt: str | None
     ) -> list[EngineCoreRequest]:
         if params.n == 1:
-            return [EngineCoreRequest(request_id, token_ids, params, self.eos_token_ids, arrival)]
+            return [EngineCoreRequest(request_id, token_ids, params, self.eos_token_ids, arrival,
+                                      cache_salt=cache_salt)]
         first = f"{request_id}/0"
         requests = []
         for index in range(params.n):
@@ -220,9 +226,22 @@ class InputProcessor:
                 child = dataclasses.replace(params, seed=seed - _SEED_SPACE if seed >= _SEED_SPACE else seed)
             requests.append(EngineCoreRequest(
                 f"{request_id}/{index}", token_ids, child, self.eos_token_ids, arrival,
-                fork_of=first if index else None,
+                fork_of=first if index else None, cache_salt=cache_salt,
             ))
         return requests
+
+
+def _check_cache_salt(cache_salt: object) -> None:
+    """vLLM's rule (a non-empty string when given), and a bound on its length."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise InvalidRequestError("cache_salt must be a non-empty string when given", "cache_salt")
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(
+            f"cache_salt has {len(cache_salt)} characters, more than the limit of {MAX_CACHE_SALT_CHARS}",
+            "cache_salt",
+        )
 
 
 def _arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

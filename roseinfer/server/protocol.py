@@ -159,6 +159,7 @@ class SamplingFields(StrictModel):
     stop_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = None  # prefix-cache blocks are shared only within one salt (checked by the engine)
 
     @property
     def include_usage(self) -> bool:
