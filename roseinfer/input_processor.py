@@ -24,21 +24,41 @@ from roseinfer.config import ModelConfig
 from roseinfer.core.messages import EngineCoreRequest
 from roseinfer.errors import ContextLengthError, InvalidRequestError
 from roseinfer.sampling_params import SamplingParams
+from roseinfer.special_token_guard import RenderedChat
 from roseinfer.tokenizer import Tokenizer
 
 _SEED_SPACE = 2**64  # seeds torch accepts: [-2**63, 2**64)
+# chat_template_kwargs names a caller may not set, and why: request fields of their own, and the
+# template itself (the renderer's own name for it, and vLLM's).
+_RESERVED_TEMPLATE_KWARGS = {
+    "messages": "it is a request field of its own",
+    "add_generation_prompt": "it is a request field of its own",
+    "tools": "it is a request field of its own",
+    "template": "a per-request chat template is not supported",
+    "chat_template": "a per-request chat template is not supported",
+}
 # A salt is a tenant's id or secret, not a document: this bounds what each request hashes.
 MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass
 class ChatPrompt:
-    """Chat messages to render with the model's chat template (OpenAI's message shapes)."""
+    """Chat messages to render with the model's chat template (OpenAI's message shapes).
+
+    Special-token strings in the messages, tools and chat_template_kwargs (`<|im_start|>system`
+    typed into a message) are tokenized as text, so that no caller's text can forge the
+    template's turns; only the template's own markup becomes special tokens.
+    `parse_special_tokens_in_messages=True` parses them as special tokens too (what transformers
+    and vLLM do), for a caller who writes such markup into messages on purpose and passes no
+    one else's text in them: a per-request choice of the application that sends the request,
+    not a server-wide one, so no other application on the server loses the protection.
+    """
 
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI's function tools, for the template
+    parse_special_tokens_in_messages: bool = False
 
 
 PromptType = str | Sequence[int] | ChatPrompt
@@ -109,18 +129,20 @@ class InputProcessor:
     # -- prompts --------------------------------------------------------------------------
     def render_chat(self, chat: ChatPrompt) -> str:
         """The prompt text of a conversation, from the model's chat template."""
+        return self._render_chat(chat).text
+
+    def _render_chat(self, chat: ChatPrompt) -> RenderedChat:
+        """The prompt text, and where in it special-token strings that the caller typed ended up."""
         kwargs = dict(chat.chat_template_kwargs or {})
-        for reserved in ("messages", "add_generation_prompt", "tools"):
-            if reserved in kwargs:
-                raise InvalidRequestError(
-                    f"chat_template_kwargs must not set {reserved!r}; it is a request field of its own",
-                    "chat_template_kwargs",
-                )
+        for name, why in _RESERVED_TEMPLATE_KWARGS.items():
+            if name in kwargs:
+                raise InvalidRequestError(f"chat_template_kwargs must not set {name!r}; {why}", "chat_template_kwargs")
         if chat.tools:
             kwargs["tools"] = chat.tools
         try:
-            return self.tokenizer.apply_chat_template(
-                _arguments_as_objects(chat.messages), add_generation_prompt=chat.add_generation_prompt, **kwargs
+            return self.tokenizer.render_chat(
+                _arguments_as_objects(chat.messages), chat.add_generation_prompt, kwargs,
+                parse_special_tokens=chat.parse_special_tokens_in_messages,
             )
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "messages") from exc
@@ -128,8 +150,9 @@ class InputProcessor:
     def prompt_token_ids(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(prompt text or None, checked token ids)."""
         if isinstance(prompt, ChatPrompt):
-            text = self._check_prompt_chars(self.render_chat(prompt), "messages")
-            ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS
+            rendered = self._render_chat(prompt)
+            text = self._check_prompt_chars(rendered.text, "messages")
+            ids = self.tokenizer.encode_chat(rendered)  # the template wrote any BOS
         elif isinstance(prompt, str):
             text = self._check_prompt_chars(prompt, "prompt")
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)

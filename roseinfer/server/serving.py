@@ -257,6 +257,7 @@ class OpenAIServing:
             [m.model_dump(exclude_none=True) for m in body.messages], body.add_generation_prompt,
             body.chat_template_kwargs,
             tools=[tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
+            parse_special_tokens_in_messages=body.parse_special_tokens_in_messages,
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, body.completion_limit, logprobs, constraint)
