@@ -20,13 +20,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 def render_chat_template(
     template: str,
     messages: list[dict[str, Any]],
+    /,
     *,
     add_generation_prompt: bool = True,
     bos_token: str | None = None,
     eos_token: str | None = None,
     **extra: Any,
 ) -> str:
-    """`template` rendered for `messages`; template problems and bad messages raise ValueError."""
+    """`template` rendered for `messages`; template problems and bad messages raise ValueError.
+    Both are positional-only, so no name in `extra` (a caller's chat_template_kwargs) collides."""
     if not isinstance(template, str):
         raise ValueError(f"a chat template must be a string, got {type(template).__name__}")
     variables: dict[str, Any] = {

@@ -24,19 +24,41 @@ from roseinfer.config import ModelConfig
 from roseinfer.core.messages import EngineCoreRequest
 from roseinfer.errors import ContextLengthError, InvalidRequestError
 from roseinfer.sampling_params import SamplingParams
+from roseinfer.special_token_guard import RenderedChat
 from roseinfer.tokenizer import Tokenizer
 
 _SEED_SPACE = 2**64  # seeds torch accepts: [-2**63, 2**64)
+# chat_template_kwargs names a caller may not set, and why: request fields of their own, and the
+# template itself (the renderer's own name for it, and vLLM's).
+_RESERVED_TEMPLATE_KWARGS = {
+    "messages": "it is a request field of its own",
+    "add_generation_prompt": "it is a request field of its own",
+    "tools": "it is a request field of its own",
+    "template": "a per-request chat template is not supported",
+    "chat_template": "a per-request chat template is not supported",
+}
+# A salt is a tenant's id or secret, not a document: this bounds what each request hashes.
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass
 class ChatPrompt:
-    """Chat messages to render with the model's chat template (OpenAI's message shapes)."""
+    """Chat messages to render with the model's chat template (OpenAI's message shapes).
+
+    Special-token strings in the messages, tools and chat_template_kwargs (`<|im_start|>system`
+    typed into a message) are tokenized as text, so that no caller's text can forge the
+    template's turns; only the template's own markup becomes special tokens.
+    `parse_special_tokens_in_messages=True` parses them as special tokens too (what transformers
+    and vLLM do), for a caller who writes such markup into messages on purpose and passes no
+    one else's text in them: a per-request choice of the application that sends the request,
+    not a server-wide one, so no other application on the server loses the protection.
+    """
 
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI's function tools, for the template
+    parse_special_tokens_in_messages: bool = False
 
 
 PromptType = str | Sequence[int] | ChatPrompt
@@ -91,31 +113,36 @@ class InputProcessor:
         add_special_tokens: bool = True,
         strict_max_tokens: bool = False,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> ProcessedRequest:
         """Check and tokenize one request; raises InvalidRequestError (ContextLengthError for
-        the context rule) naming the field."""
+        the context rule) naming the field. `cache_salt` (vLLM's): the request shares prefix-cache
+        blocks only with requests of the same salt."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        _check_cache_salt(cache_salt)
         self._check_stop_limits(params)
         text, token_ids = self.prompt_token_ids(prompt, add_special_tokens)
         params = self._resolve_params(params, len(token_ids), strict_max_tokens)
-        return ProcessedRequest(request_id, text, token_ids, params,
-                                self._fan_out(request_id, token_ids, params, arrival), arrival)
+        core_requests = self._fan_out(request_id, token_ids, params, arrival, cache_salt)
+        return ProcessedRequest(request_id, text, token_ids, params, core_requests, arrival)
 
     # -- prompts --------------------------------------------------------------------------
     def render_chat(self, chat: ChatPrompt) -> str:
         """The prompt text of a conversation, from the model's chat template."""
+        return self._render_chat(chat).text
+
+    def _render_chat(self, chat: ChatPrompt) -> RenderedChat:
+        """The prompt text, and where in it special-token strings that the caller typed ended up."""
         kwargs = dict(chat.chat_template_kwargs or {})
-        for reserved in ("messages", "add_generation_prompt", "tools"):
-            if reserved in kwargs:
-                raise InvalidRequestError(
-                    f"chat_template_kwargs must not set {reserved!r}; it is a request field of its own",
-                    "chat_template_kwargs",
-                )
+        for name, why in _RESERVED_TEMPLATE_KWARGS.items():
+            if name in kwargs:
+                raise InvalidRequestError(f"chat_template_kwargs must not set {name!r}; {why}", "chat_template_kwargs")
         if chat.tools:
             kwargs["tools"] = chat.tools
         try:
-            return self.tokenizer.apply_chat_template(
-                _arguments_as_objects(chat.messages), add_generation_prompt=chat.add_generation_prompt, **kwargs
+            return self.tokenizer.render_chat(
+                _arguments_as_objects(chat.messages), chat.add_generation_prompt, kwargs,
+                parse_special_tokens=chat.parse_special_tokens_in_messages,
             )
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "messages") from exc
@@ -123,8 +150,9 @@ class InputProcessor:
     def prompt_token_ids(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(prompt text or None, checked token ids)."""
         if isinstance(prompt, ChatPrompt):
-            text = self._check_prompt_chars(self.render_chat(prompt), "messages")
-            ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS
+            rendered = self._render_chat(prompt)
+            text = self._check_prompt_chars(rendered.text, "messages")
+            ids = self.tokenizer.encode_chat(rendered)  # the template wrote any BOS
         elif isinstance(prompt, str):
             text = self._check_prompt_chars(prompt, "prompt")
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
@@ -207,10 +235,11 @@ class InputProcessor:
         return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 
     def _fan_out(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float
+        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float, cache_salt: str | None
     ) -> list[EngineCoreRequest]:
         if params.n == 1:
-            return [EngineCoreRequest(request_id, token_ids, params, self.eos_token_ids, arrival)]
+            return [EngineCoreRequest(request_id, token_ids, params, self.eos_token_ids, arrival,
+                                      cache_salt=cache_salt)]
         first = f"{request_id}/0"
         requests = []
         for index in range(params.n):
@@ -220,9 +249,22 @@ class InputProcessor:
                 child = dataclasses.replace(params, seed=seed - _SEED_SPACE if seed >= _SEED_SPACE else seed)
             requests.append(EngineCoreRequest(
                 f"{request_id}/{index}", token_ids, child, self.eos_token_ids, arrival,
-                fork_of=first if index else None,
+                fork_of=first if index else None, cache_salt=cache_salt,
             ))
         return requests
+
+
+def _check_cache_salt(cache_salt: object) -> None:
+    """vLLM's rule (a non-empty string when given), and a bound on its length."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise InvalidRequestError("cache_salt must be a non-empty string when given", "cache_salt")
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(
+            f"cache_salt has {len(cache_salt)} characters, more than the limit of {MAX_CACHE_SALT_CHARS}",
+            "cache_salt",
+        )
 
 
 def _arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -52,13 +52,17 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        parse_special_tokens_in_messages: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them (with `tools`,
-        OpenAI-style function definitions, for templates that offer them), then generate."""
+        OpenAI-style function definitions, for templates that offer them), then generate.
+        Special-token strings in the messages are text unless `parse_special_tokens_in_messages`
+        (see ChatPrompt)."""
         if not messages:
             raise InvalidRequestError("messages must not be empty", "messages")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [ChatPrompt(list(c), add_generation_prompt, chat_template_kwargs, tools) for c in conversations]
+        prompts = [ChatPrompt(list(c), add_generation_prompt, chat_template_kwargs, tools,
+                              parse_special_tokens_in_messages) for c in conversations]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _run(

@@ -48,6 +48,7 @@ class Request:
         eos_token_ids: Iterable[int] = (),
         arrival_time: float | None = None,
         fork_of: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -59,6 +60,7 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.fork_of = fork_of
+        self.cache_salt = cache_salt  # the prefix cache shares blocks only within one salt
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -85,6 +87,7 @@ class Request:
         return cls(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time, fork_of=request.fork_of,
+            cache_salt=request.cache_salt,
         )
 
     @property

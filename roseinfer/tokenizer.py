@@ -11,6 +11,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from roseinfer.chat_template import render_chat_template
 from roseinfer.errors import ModelLoadError
+from roseinfer.special_token_guard import RenderedChat, SpecialTokenGuard
 
 logger = logging.getLogger(__name__)
 
@@ -274,11 +276,12 @@ class Tokenizer:
         return self.backend.id_to_token(int(token_id))
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict[str, Any]], /, add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
         """The prompt text for a conversation, from the model's own chat template.
 
-        Encode the result with add_special_tokens=False: templates write their own BOS.
+        Encode the result with add_special_tokens=False: templates write their own BOS. (The
+        text of a request from a caller goes through `render_chat` and `encode_chat` instead.)
         """
         if not self.chat_template:
             raise ValueError(
@@ -289,6 +292,48 @@ class Tokenizer:
         return render_chat_template(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt, **variables
         )
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        variables: dict[str, Any] | None = None, *, parse_special_tokens: bool = False,
+    ) -> RenderedChat:
+        """`apply_chat_template` with the template `variables`, remembering where special-token
+        strings in the messages and variables (what a caller sent) ended up, so that
+        `encode_chat` keeps them text (see special_token_guard.py). `parse_special_tokens=True`:
+        they become special tokens, as the template's own markup does (transformers' and vLLM's
+        behaviour). The variables are a dict, not keywords: no name in them collides with ours."""
+        variables = variables or {}
+        if parse_special_tokens:
+            return RenderedChat(self.apply_chat_template(messages, add_generation_prompt, **variables))
+        guard = self._special_token_guard
+        text = self.apply_chat_template(guard.hide(messages), add_generation_prompt, **guard.hide(variables))
+        return guard.restore(text)
+
+    def encode_chat(self, chat: RenderedChat) -> list[int]:
+        """The ids of a rendered chat (no BOS added: templates write their own): its literal spans
+        tokenized as text, the rest as `encode` does."""
+        if not chat.literal_spans:
+            return self.encode(chat.text, add_special_tokens=False)
+        encoding = self.backend.encode(chat.text, add_special_tokens=False)
+        ids: list[int] = []
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token_id in self.skipped_ids and chat.is_literal(start, end):
+                ids.extend(self._text_backend.encode(chat.text[start:end], add_special_tokens=False).ids)
+            else:
+                ids.append(token_id)
+        return ids
+
+    @cached_property
+    def _special_token_guard(self) -> SpecialTokenGuard:
+        decoder = self.backend.get_added_tokens_decoder()
+        return SpecialTokenGuard(token.content for token in decoder.values() if token.special)
+
+    @cached_property
+    def _text_backend(self) -> BackendTokenizer:
+        """A copy of the backend that tokenizes special-token strings as the text they are."""
+        backend = BackendTokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
 
     def __len__(self) -> int:
         return self.vocab_size

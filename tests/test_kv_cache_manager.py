@@ -6,10 +6,13 @@ every operation each request's block table must read back exactly its own tokens
 copy-on-write has to guarantee for forked requests, and what the prefix cache has to guarantee for
 blocks it hands out (a block reused with a stale key would read back someone else's tokens).
 Tokens come from a two-letter alphabet so that prompts share prefixes often; blocks are cached
-only at `end_step`, so two requests can compute the same new prefix in one step.
+only at `end_step`, so two requests can compute the same new prefix in one step. Requests carry one
+of a few cache salts (or none), as tenants would.
 """
 
+import hashlib
 import itertools
+import struct
 
 import pytest
 from hypothesis import event, settings
@@ -21,6 +24,7 @@ from roseinfer.core.kv_cache_manager import KVCacheManager
 NUM_BLOCKS = 12
 BLOCK_SIZE = 4
 TOKENS = st.integers(0, 1)
+SALTS = st.sampled_from([None, "a", "b"])
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -29,6 +33,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
         self.pool: dict[int, list[int | None]] = {b: [None] * BLOCK_SIZE for b in range(NUM_BLOCKS)}
         self.tokens: dict[int, list[int]] = {}  # what each live request has written
+        self.salts: dict[int, str | None] = {}
         self.ids = itertools.count()
 
     def _write(self, request_id: int, new_tokens: list[int], cached: list[int] = ()) -> bool:
@@ -43,30 +48,31 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.tokens[request_id].append(value)
         return True
 
-    @rule(prompt=st.lists(TOKENS, min_size=1, max_size=3 * BLOCK_SIZE))
-    def allocate(self, prompt: list[int]) -> None:
+    @rule(prompt=st.lists(TOKENS, min_size=1, max_size=3 * BLOCK_SIZE), salt=SALTS)
+    def allocate(self, prompt: list[int], salt: str | None) -> None:
         request_id = next(self.ids)
-        cached = self.manager.find_cached_prefix(prompt)
+        cached = self.manager.find_cached_prefix(prompt, salt)
         num_cached = len(cached) * BLOCK_SIZE
         assert num_cached < len(prompt), "the last token must always be computed"
         event("prefix cache hit" if cached else "prefix cache miss")
         free_before = self.manager.num_free_blocks
         self.tokens[request_id] = list(prompt[:num_cached])
+        self.salts[request_id] = salt
         fits = -(-len(prompt) // BLOCK_SIZE) - len(cached) <= self.manager.pool.num_free_after_taking(cached)
         assert self._write(request_id, prompt[num_cached:], cached) == fits
         if not fits:
-            del self.tokens[request_id]
+            del self.tokens[request_id], self.salts[request_id]
             assert request_id not in self.manager.block_tables
             assert self.manager.num_free_blocks == free_before
 
     @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), tail=st.lists(TOKENS, max_size=BLOCK_SIZE + 2))
-    def allocate_with_a_shared_prefix(self, data, tail: list[int]) -> None:
+    @rule(data=st.data(), tail=st.lists(TOKENS, max_size=BLOCK_SIZE + 2), salt=SALTS)
+    def allocate_with_a_shared_prefix(self, data, tail: list[int], salt: str | None) -> None:
         """A prompt that starts like a live request's tokens (a system prompt, a retried chat)."""
         source = self.tokens[data.draw(st.sampled_from(sorted(self.tokens)))]
         prefix = source[: data.draw(st.integers(0, len(source)))]
         if prefix or tail:
-            self.allocate(prefix + tail)
+            self.allocate(prefix + tail, salt)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), new_tokens=st.lists(TOKENS, min_size=1, max_size=BLOCK_SIZE + 2))
@@ -86,19 +92,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         child = next(self.ids)
         self.manager.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])
+        self.salts[child] = self.salts[parent]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data) -> None:
         request_id = data.draw(st.sampled_from(sorted(self.tokens)))
         self.manager.free(request_id)
-        del self.tokens[request_id]
+        del self.tokens[request_id], self.salts[request_id]
 
     @rule()
     def end_step(self) -> None:
         """What the scheduler does after a step: cache every block that is full and computed."""
         for request_id, tokens in self.tokens.items():
-            self.manager.cache_computed_blocks(request_id, tokens, len(tokens))
+            self.manager.cache_computed_blocks(request_id, tokens, len(tokens), self.salts[request_id])
 
     @invariant()
     def bookkeeping_is_consistent(self) -> None:
@@ -113,9 +120,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert stored == tokens
 
     @invariant()
-    def every_cached_block_holds_its_key(self) -> None:
-        for (_, block_tokens), block in self.manager.pool.cached.items():
-            assert tuple(self.pool[block]) == block_tokens
+    def the_cache_finds_blocks_that_hold_the_prefix(self) -> None:
+        for request_id, tokens in self.tokens.items():
+            found = self.manager.find_cached_prefix([*tokens, 0], self.salts[request_id])
+            for index, block in enumerate(found):
+                assert self.pool[block] == tokens[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
 
     def teardown(self) -> None:
         for request_id in list(self.tokens):
@@ -198,3 +207,35 @@ def test_lanes_are_reused_lowest_first():
     assert manager.allocate_slots(3, 0, 8)
     assert manager.block_table(3) == [16, 17]
     manager.check_invariants()
+
+
+def test_block_keys_are_sha256_chained_from_the_salt():
+    """The documented chain, recomputed here with hashlib: no Python hash() anywhere (whose 64
+    bits a crafted prompt can collide with another tenant's prefix, vLLM's CVE-2025-25183)."""
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    for request_id, salt, root in [(0, None, bytes(32)),
+                                   (1, "tenant", hashlib.sha256(b"cache_salt\0tenant").digest())]:
+        assert manager.allocate_slots(request_id, 0, 9)
+        manager.cache_computed_blocks(request_id, list(range(1, 10)), 9, salt)
+        first = hashlib.sha256(root + struct.pack("<4q", 1, 2, 3, 4)).digest()
+        second = hashlib.sha256(first + struct.pack("<4q", 5, 6, 7, 8)).digest()
+        table = manager.block_table(request_id)
+        assert (manager.pool.cached[first], manager.pool.cached[second]) == (table[0], table[1])
+    assert len(manager.pool.cached) == 4
+    manager.check_invariants()
+
+
+def test_a_salt_shares_cached_blocks_only_with_the_same_salt():
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = list(range(9))
+    assert manager.allocate_slots(0, 0, 9)
+    manager.cache_computed_blocks(0, prompt, 9, "tenant-a")
+    cached = manager.block_table(0)[:2]
+    manager.free(0)
+    assert manager.find_cached_prefix(prompt, "tenant-a") == cached
+    assert manager.find_cached_prefix(prompt, "tenant-b") == []
+    assert manager.find_cached_prefix(prompt) == []  # nor with requests that send no salt
+    assert manager.allocate_slots(1, 0, 9)
+    manager.cache_computed_blocks(1, prompt, 9)
+    assert manager.find_cached_prefix(prompt) == manager.block_table(1)[:2]
+    assert manager.find_cached_prefix(prompt, "tenant-a") == cached

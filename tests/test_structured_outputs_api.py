@@ -249,6 +249,14 @@ def test_logit_bias(client, default_llm):
         ({"functions": []}, "functions", "use `tools`"),
         ({"logit_bias": {"x": 1}}, "logit_bias", "not a token id"),
         ({"logit_bias": {"5": 101}}, "logit_bias.5", "less than or equal to 100"),
+        # Integers past 64 bits, which llguidance's schema converter raises on.
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "string", "maxLength": 10**30}}}}, "response_format.json_schema.schema", "not JSON serializable"),
+        ({"structured_outputs": {"json": {"type": "string", "maxLength": 10**30}}}, "structured_outputs.json",
+         "not JSON serializable"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"const": 10**30}}}}}], "tool_choice": "required"}, "tools",
+         "not JSON serializable"),
     ],
 )
 def test_bad_structured_requests_name_the_field(server, body, param, message):
@@ -257,6 +265,35 @@ def test_bad_structured_requests_name_the_field(server, body, param, message):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and re.search(message, error["message"]), error
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def nested_tool_body(levels: int) -> str:
+    """A "required" request whose tool's parameters nest `levels` objects (as JSON text: the
+    client's own encoder cannot write the deepest ones)."""
+    schema = '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + "}}" * levels
+    return ('{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "tool_choice": "required", '
+            '"tools": [{"type": "function", "function": {"name": "f", "parameters": ' + schema + "}}]}")
+
+
+@pytest.mark.parametrize("levels", [48, 49, 100, 200, 300, 450, 600, 5000])
+def test_deep_tool_schemas_meet_one_limit(server, levels):
+    """Every field may nest MAX_NESTING_DEPTH levels of lists and objects (here tools, then its
+    function, then 2 a level of schema). Up to it a request runs; past it, at any depth, it is a
+    400 that says so, naming the field wherever the body is shallow enough for Python's JSON
+    parser to read (before: llguidance's own 400 at 100 levels, a RecursionError's 500 from 200 to
+    450, the JSON parser's 400 from 600)."""
+    response = httpx.post(server.url + "/v1/chat/completions", content=nested_tool_body(levels),
+                          headers={"Content-Type": "application/json"}, timeout=120)
+    if levels == 48:  # 3 + 2 * 48 + 1 = MAX_NESTING_DEPTH levels
+        assert response.status_code == 200, response.text
+        return
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    if levels <= 450:
+        assert error["param"] == "tools" and "nested more than 100 levels deep" in error["message"], error
+    else:
+        assert error["param"] is None and "too deeply to parse" in error["message"], error
     assert httpx.get(server.url + "/health").status_code == 200
 
 

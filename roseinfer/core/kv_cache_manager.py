@@ -3,9 +3,15 @@ reference counts, and the prefix cache. It knows nothing about tensors; the mode
 memory.
 
 Prefix caching. Once every token of a block has its K/V computed, the block is registered under a
-key chained over the token ids of the whole prefix up to it: (key hash of the block before, this
-block's token ids). A new request walks its prompt block by block and reuses every registered block
-it finds, so those tokens are not computed again. A finished request's registered blocks stay in
+key chained over the token ids of the whole prefix up to it: SHA-256 of (the key of the block
+before, this block's token ids as little-endian int64), the first block chained to the root of its
+request's `cache_salt` (32 zero bytes without one, else SHA-256 of b"cache_salt\0" + the salt in
+UTF-8). A cryptographic hash because the cache is shared between callers: with a 64-bit `hash()`
+a crafted prompt could collide with another tenant's prefix and read its K/V (vLLM's
+CVE-2025-25183). The salt is vLLM's: requests share cached blocks only when their salts are equal,
+so a tenant that sends its own secret salt can neither reuse nor time other tenants' prefixes. A
+new request walks its prompt block by block and reuses every registered block it finds, so those
+tokens are not computed again. A finished request's registered blocks stay in
 the cache while free: the free queue is ordered so that blocks nobody can reuse are handed out
 first, then registered ones, least recently released first (LRU). A block leaves the cache exactly
 when it is handed out again.
@@ -32,13 +38,23 @@ Invariants (checked by `check_invariants`, exercised by a property test):
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key or 0, token ids)
+BlockKey = bytes  # the SHA-256 digest of a block's whole prefix (see Prefix caching above)
+_TOKEN_BYTES = np.dtype("<i8")  # how a block's token ids enter its hash
+_UNSALTED_ROOT = bytes(32)
+
+
+def chain_root(cache_salt: str | None) -> BlockKey:
+    """The key a request's first block is chained to: its salt's, so salts never share blocks."""
+    if cache_salt is None:
+        return _UNSALTED_ROOT
+    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()
 
 
 @dataclass(frozen=True)
@@ -168,16 +184,26 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache ---------------------------------------------------------------------
-    def _chain(self, token_ids: Sequence[int], keys: list[BlockKey], num_full_blocks: int) -> list[BlockKey]:
-        """Extend `keys` (the first blocks' keys) to cover `num_full_blocks` blocks."""
+    def _chain(
+        self, token_ids: Sequence[int], keys: list[BlockKey], num_full_blocks: int, cache_salt: str | None
+    ) -> list[BlockKey]:
+        """Extend `keys` (the first blocks' keys) to cover `num_full_blocks` blocks: one digest a
+        block, over the token bytes converted once for all of them."""
+        first = len(keys)
+        if first >= num_full_blocks:
+            return keys
         size = self.block_size
-        for index in range(len(keys), num_full_blocks):
-            parent = hash(keys[-1]) if keys else 0
-            keys.append((parent, tuple(token_ids[index * size : (index + 1) * size])))
+        data = np.asarray(token_ids[first * size : num_full_blocks * size], dtype=_TOKEN_BYTES).tobytes()
+        step = size * _TOKEN_BYTES.itemsize
+        parent = keys[-1] if keys else chain_root(cache_salt)
+        for offset in range(0, len(data), step):
+            parent = hashlib.sha256(parent + data[offset : offset + step]).digest()
+            keys.append(parent)
         return keys
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """The cached blocks that hold the longest computed prefix of `token_ids`.
+    def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
+        """The cached blocks that hold the longest computed prefix of `token_ids`, among those
+        registered under the same `cache_salt`.
 
         At least the last token is always left to compute (its logits are needed), so a block is
         only used if it ends before it; a prompt that is all cached recomputes its last block.
@@ -186,7 +212,7 @@ class KVCacheManager:
             return []
         usable = (len(token_ids) - 1) // self.block_size
         blocks: list[int] = []
-        for key in self._chain(token_ids, [], usable):
+        for key in self._chain(token_ids, [], usable, cache_salt):
             block = self.pool.cached.get(key)
             if block is None:
                 break
@@ -198,8 +224,11 @@ class KVCacheManager:
         self.prefix_stats.queries += num_tokens
         self.prefix_stats.hits += num_cached_tokens
 
-    def cache_computed_blocks(self, request_id: int, token_ids: Sequence[int], num_computed: int) -> None:
-        """Register the request's blocks that became full and computed (call after each step)."""
+    def cache_computed_blocks(
+        self, request_id: int, token_ids: Sequence[int], num_computed: int, cache_salt: str | None = None
+    ) -> None:
+        """Register the request's blocks that became full and computed (call after each step),
+        under its `cache_salt`."""
         if not self.enable_prefix_caching:
             return
         table = self.block_tables.get(request_id)
@@ -208,7 +237,7 @@ class KVCacheManager:
         keys = self._keys.setdefault(request_id, [])
         num_full = min(num_computed // self.block_size, len(table))
         first_new = len(keys)
-        for index, key in enumerate(self._chain(token_ids, keys, num_full)[first_new:], first_new):
+        for index, key in enumerate(self._chain(token_ids, keys, num_full, cache_salt)[first_new:], first_new):
             self.pool.register(table[index], key)
 
     # -- allocation -----------------------------------------------------------------------

@@ -24,7 +24,8 @@ class EngineCoreRequest:
 
     `sampling_params.max_tokens` is the effective limit (the model's context applied already).
     `fork_of` names a sibling of the same prompt added before this one (n > 1): this request then
-    shares that sibling's prompt blocks instead of computing the prompt again.
+    shares that sibling's prompt blocks instead of computing the prompt again. `cache_salt`
+    (vLLM's): only requests with the same salt share prefix-cache blocks.
     """
 
     request_id: str
@@ -33,6 +34,7 @@ class EngineCoreRequest:
     eos_token_ids: list[int]
     arrival_time: float
     fork_of: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -51,6 +51,7 @@ class NewRequest:
     prompt: PromptType
     params: SamplingParams
     add_special_tokens: bool = True
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only within one salt
 
 
 class RequestOutputStream:
@@ -229,7 +230,7 @@ class AsyncLLM(EngineFrontEnd):
         return [
             self.input_processor.process(
                 r.request_id, r.prompt, r.params, add_special_tokens=r.add_special_tokens,
-                strict_max_tokens=True, arrival_time=arrival,
+                strict_max_tokens=True, arrival_time=arrival, cache_salt=r.cache_salt,
             )
             for r in requests
         ]

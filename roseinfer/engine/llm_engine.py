@@ -43,11 +43,13 @@ class LLMEngine(EngineFrontEnd):
         *,
         add_special_tokens: bool = True,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Check, tokenize and queue a request (raises InvalidRequestError, leaving nothing queued)."""
+        """Check, tokenize and queue a request (raises InvalidRequestError, leaving nothing queued);
+        `cache_salt` as vLLM's (prefix-cache blocks are shared only within one salt)."""
         self.add_processed_request(self.input_processor.process(
             request_id, prompt, params or SamplingParams(), add_special_tokens=add_special_tokens,
-            arrival_time=arrival_time,
+            arrival_time=arrival_time, cache_salt=cache_salt,
         ))
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:

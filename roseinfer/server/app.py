@@ -27,6 +27,7 @@ from roseinfer.server.metrics import CONTENT_TYPE, PrometheusStatLogger
 from roseinfer.server.middleware import ApiKeyGuard, BodyLimit, ErrorGuard
 from roseinfer.server.openapi import errors, finish_document, streamed
 from roseinfer.server.protocol import (
+    MAX_NESTING_DEPTH,
     UNSUPPORTED_FIELDS,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -173,6 +174,9 @@ def create_app(
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 413:
             return too_large()
+        if isinstance(exc.__cause__, RecursionError):  # a body too deep for the JSON parser itself
+            return error_response(400, "the request body nests lists and objects too deeply to parse; a field "
+                                       f"may nest them at most {MAX_NESTING_DEPTH} levels deep")
         return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     # -- routes ---------------------------------------------------------------------------

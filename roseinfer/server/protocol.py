@@ -17,6 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from roseinfer.sampling_params import MAX_LOGPROBS, MAX_N
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
+# How deeply a request field may nest lists and objects: far more than real schemas, messages and
+# tools need, and less than where the code that reads them fails (llguidance's JSON parser at 128
+# levels with its own wrapping, the recursive walks of tool schemas at about 450, Python's JSON
+# parser at about 1000). So any deeper value is one 400 naming its field.
+MAX_NESTING_DEPTH = 100
+# The fields whose values may be any JSON (schemas, tools, messages' extra keys, template
+# variables); the others' types bound how deep they nest.
+_FREE_JSON_FIELDS = ("messages", "tools", "response_format", "structured_outputs", "chat_template_kwargs",
+                     "metadata", "prediction")
 
 
 def new_id(prefix: str) -> str:
@@ -116,8 +125,28 @@ ROUTER_DEFAULTS = {"no_stop_trim": False, "return_hidden_states": False, "contin
                    "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True}
 
 
+def nesting_depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether `value` nests lists and objects more than `limit` levels deep. Level by level, not
+    recursively: a value too deep for recursion is what this is for."""
+    level = [value] if isinstance(value, dict | list) else []
+    for _ in range(limit):
+        level = [child for container in level
+                 for child in (container.values() if isinstance(container, dict) else container)
+                 if isinstance(child, dict | list)]
+        if not level:
+            return False
+    return bool(level)
+
+
 class SamplingFields(StrictModel):
     """What completions and chat completions share."""
+
+    @field_validator(*_FREE_JSON_FIELDS, mode="before", check_fields=False)
+    @classmethod
+    def _not_nested_too_deep(cls, value: Any) -> Any:
+        if nesting_depth_exceeds(value, MAX_NESTING_DEPTH):
+            raise ValueError(f"nested more than {MAX_NESTING_DEPTH} levels deep (this server's limit)")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -159,6 +188,7 @@ class SamplingFields(StrictModel):
     stop_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = None  # prefix-cache blocks are shared only within one salt (checked by the engine)
 
     @property
     def include_usage(self) -> bool:
@@ -231,6 +261,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Ours: special-token strings in messages, tools and chat_template_kwargs become special
+    # tokens, not text (see ChatPrompt for why this is a request's choice).
+    parse_special_tokens_in_messages: bool = False
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -188,7 +188,7 @@ class OpenAIServing:
         if not prompts:
             raise InvalidRequestError("prompt must not be empty", "prompt")
         params = sampling_params(body, body.max_tokens, body.logprobs, structured_outputs_of(body))
-        return [NewRequest(new_id("cmpl"), prompt, params) for prompt in prompts]
+        return [NewRequest(new_id("cmpl"), prompt, params, cache_salt=body.cache_salt) for prompt in prompts]
 
     def _completion_logprobs(self, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
         result = CompletionLogprobs()
@@ -257,10 +257,11 @@ class OpenAIServing:
             [m.model_dump(exclude_none=True) for m in body.messages], body.add_generation_prompt,
             body.chat_template_kwargs,
             tools=[tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
+            parse_special_tokens_in_messages=body.parse_special_tokens_in_messages,
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, body.completion_limit, logprobs, constraint)
-        return [NewRequest(new_id("chatcmpl"), chat, params)], tool_calling
+        return [NewRequest(new_id("chatcmpl"), chat, params, cache_salt=body.cache_salt)], tool_calling
 
     def _chat_logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs:
         content = []

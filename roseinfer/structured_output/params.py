@@ -90,22 +90,26 @@ class StructuredOutputsParams:
 
     @cached_property
     def grammar_text(self) -> str:
-        """The grammar as llguidance's LLMatcher takes it (not yet checked: see `validate`)."""
-        if self.kind in _JSON_KINDS:
-            options: dict[str, Any] = {}
-            if self.disable_any_whitespace:
-                options["whitespace_flexible"] = False
-            if self.whitespace_pattern is not None:
-                options["whitespace_pattern"] = self.whitespace_pattern
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                self._schema, overrides=options or None
-            )
-        text: Any = getattr(self, self.kind)
+        """The grammar as llguidance's LLMatcher takes it (not yet checked: see `validate`).
+        What llguidance refuses to convert (an integer past 64 bits in a schema, a GBNF syntax
+        error) is a 400 naming the field, as what `validate` finds is."""
         try:
+            if self.kind in _JSON_KINDS:
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    self._schema, overrides=self._json_options() or None
+                )
             # "grammar" takes Lark as it is and converts GBNF with llguidance's own converter.
-            return llguidance.grammar_from(self.kind, text)
+            return llguidance.grammar_from(self.kind, getattr(self, self.kind))
         except ValueError as exc:
             raise InvalidRequestError(f"invalid {self.param}: {exc}", param=self.param) from exc
+
+    def _json_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        if self.disable_any_whitespace:
+            options["whitespace_flexible"] = False
+        if self.whitespace_pattern is not None:
+            options["whitespace_pattern"] = self.whitespace_pattern
+        return options
 
     def validate(self) -> None:
         """llguidance's own check of the grammar (schema features, regex syntax, Lark rules),
