@@ -92,6 +92,41 @@ def test_admission_limit(async_llm):
     asyncio.run(run())
 
 
+def test_a_request_of_several_prompts_checks_its_grammar_once(async_llm, monkeypatch):
+    import llguidance
+
+    import roseinfer.structured_output.params as params_module
+    from roseinfer.engine.async_llm import NewRequest
+    from roseinfer.structured_output import StructuredOutputsParams
+
+    checked = []
+
+    class CountingMatcher:
+        grammar_from_json_schema = staticmethod(llguidance.LLMatcher.grammar_from_json_schema)
+
+        @staticmethod
+        def validate_grammar(text):
+            checked.append(text)
+            return llguidance.LLMatcher.validate_grammar(text)
+
+    class CountingLlguidance:
+        LLMatcher = CountingMatcher
+
+        def __getattr__(self, name):
+            return getattr(llguidance, name)
+
+    monkeypatch.setattr(params_module, "llguidance", CountingLlguidance())
+    params = SamplingParams(max_tokens=2, temperature=0.0, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+
+    async def run() -> None:
+        stream = await async_llm.add_requests([NewRequest(f"g{i}", prompt, params) for i, prompt in enumerate(PROMPTS)])
+        outputs = [o async for o in stream]
+        assert sum(o.finished for o in outputs) == len(PROMPTS)
+
+    asyncio.run(run())
+    assert len(checked) == 1  # three prompts, one HTTP request: one check (it was one per prompt)
+
+
 def test_a_dead_engine_core_fails_requests_in_flight():
     engine = AsyncLLM(EngineConfig(kv_cache_memory=0.25), engine_core="process")
 

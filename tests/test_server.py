@@ -359,6 +359,20 @@ def test_a_burst_past_the_queue_gets_503_and_no_accepted_request_is_lost(guarded
             assert response.json()["usage"]["completion_tokens"] == 24
 
 
+def test_a_prompt_list_past_the_queue_gets_503_before_its_prompts_are_checked(guarded_server):
+    client = openai.OpenAI(base_url=guarded_server.url + "/v1", api_key="sesame", max_retries=0)
+    # prompts x n is checked against the queue (2) first: the out-of-vocabulary last prompt and the
+    # grammar are never looked at (they were: a 400, after tokenizing every prompt before it).
+    for prompt, n in (([[1, 2], [3, 4], [10**9]], 1), ([[5, 6], [10**9]], 2)):
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.completions.create(model=MODEL, prompt=prompt, n=n, max_tokens=2,
+                                      extra_body={"structured_outputs": {"regex": "[ab]+"}})
+        assert refused.value.status_code == 503 and "overloaded" in refused.value.message
+    with pytest.raises(openai.BadRequestError):  # within the room, the same prompt is still a 400
+        client.completions.create(model=MODEL, prompt=[[1, 2], [10**9]], max_tokens=2)
+    assert client.completions.create(model=MODEL, prompt=["Hi", "Yo"], max_tokens=2).usage.completion_tokens == 4
+
+
 def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(guarded_server):
     body = {"model": MODEL, "prompt": "Count to ten:", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
 

@@ -192,6 +192,9 @@ class AsyncLLM(EngineFrontEnd):
     async def add_requests(self, requests: Sequence[NewRequest]) -> RequestOutputStream:
         """Several requests checked together (either all are queued or none is), with one stream."""
         self._check_accepting()
+        # The queue's room first, from the request's own numbers (prompts x n): a request the
+        # limit refuses costs no tokenizing and no grammar check.
+        self._check_room(sum(r.params.n for r in requests))
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
             raise ValueError(f"request ids must be unique, got {ids}")
@@ -206,16 +209,19 @@ class AsyncLLM(EngineFrontEnd):
         if self.refusing is not None:
             raise EngineOverloadedError(self.refusing)
 
-    def add_processed_requests(self, processed: Sequence[ProcessedRequest]) -> RequestOutputStream:
-        """Queue requests the input processor has checked (from the event loop's thread)."""
-        self._loop = asyncio.get_running_loop()
-        self._check_accepting()
-        wanted = sum(len(p.core_requests) for p in processed)
+    def _check_room(self, wanted: int) -> None:
+        """EngineOverloadedError when `wanted` more sequences would not fit in the queue's limit."""
         if self.max_queue_len is not None and self.num_waiting + wanted > self.max_queue_len:
             raise EngineOverloadedError(
                 f"the server is overloaded: {self.num_waiting} requests are waiting "
                 f"(limit {self.max_queue_len}); retry later"
             )
+
+    def add_processed_requests(self, processed: Sequence[ProcessedRequest]) -> RequestOutputStream:
+        """Queue requests the input processor has checked (from the event loop's thread)."""
+        self._loop = asyncio.get_running_loop()
+        self._check_accepting()
+        self._check_room(sum(len(p.core_requests) for p in processed))
         arrival = min((request.arrival_time for request in processed), default=None)
         stream = RequestOutputStream(self, [request.request_id for request in processed], arrival,
                                      self.request_timeout)
@@ -227,6 +233,9 @@ class AsyncLLM(EngineFrontEnd):
         return stream
 
     def _process_all(self, requests: Sequence[NewRequest], arrival: float) -> list[ProcessedRequest]:
+        # One grammar check per HTTP request (its prompts share one constraint), before any tokenizing.
+        for constraint in {id(c): c for r in requests if (c := r.params.structured_outputs) is not None}.values():
+            constraint.validate()
         return [
             self.input_processor.process(
                 r.request_id, r.prompt, r.params, add_special_tokens=r.add_special_tokens,

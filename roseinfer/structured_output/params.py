@@ -40,6 +40,8 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
     # The schema as a dict, parsed once from `json` (or the any-object schema).
     _schema: dict[str, Any] | None = field(init=False, repr=False, compare=False, default=None)
+    # Set once `validate` passed: the prompts of one request share this object and its check.
+    _validated: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         chosen = [kind for kind in _KINDS if self._is_set(kind)]
@@ -113,10 +115,14 @@ class StructuredOutputsParams:
 
     def validate(self) -> None:
         """llguidance's own check of the grammar (schema features, regex syntax, Lark rules),
-        without a tokenizer: fast enough to run before a request is queued."""
+        without a tokenizer: fast enough to run before a request is queued. Run once per object
+        (the prompts of one request share it); a failure is raised again each time."""
+        if self._validated:
+            return
         error = llguidance.LLMatcher.validate_grammar(self.grammar_text)
         if error:
             raise InvalidRequestError(f"invalid {self.param}: {error.strip()}", param=self.param)
+        self._validated = True
 
     # -- checks ------------------------------------------------------------------------------------
 
