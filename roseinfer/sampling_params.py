@@ -163,10 +163,18 @@ class SamplingParams:
         return params
 
 
+MAX_LOGIT_BIAS_ENTRIES = 1024  # and the vocabulary's size, which the input processor checks the ids against
+
+
 def _checked_logit_bias(bias: Any) -> dict[int, float]:
-    """OpenAI's rule: token ids (ints, or their decimal strings in JSON) to biases in [-100, 100]."""
+    """OpenAI's rule: token ids (ints, or their decimal strings in JSON) to biases in [-100, 100];
+    at most MAX_LOGIT_BIAS_ENTRIES of them."""
     if not isinstance(bias, dict):
         raise InvalidRequestError("logit_bias must be an object of token id -> bias", param="logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(
+            f"logit_bias has {len(bias)} entries, more than the limit of {MAX_LOGIT_BIAS_ENTRIES}", param="logit_bias"
+        )
     checked: dict[int, float] = {}
     for key, value in bias.items():
         try:

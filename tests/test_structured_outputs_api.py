@@ -233,6 +233,38 @@ def test_logit_bias(client, default_llm):
     assert offline.outputs[0].text == ",,,,"
 
 
+def test_logit_bias_becomes_a_tensor_once_per_request_not_once_per_step(default_llm, monkeypatch):
+    import roseinfer.sampling_params as sampling_params_module
+
+    class CountingBias(dict):  # counts the times the engine walks the entries
+        walks = 0
+
+        def _walked(self, entries):
+            CountingBias.walks += 1
+            return entries
+
+        def items(self):
+            return self._walked(super().items())
+
+        def keys(self):
+            return self._walked(super().keys())
+
+        def values(self):
+            return self._walked(super().values())
+
+    checked = sampling_params_module._checked_logit_bias  # every copy of the params keeps counting
+    monkeypatch.setattr(sampling_params_module, "_checked_logit_bias", lambda bias: CountingBias(checked(bias)))
+    (comma,) = default_llm.get_tokenizer().encode(",", add_special_tokens=False)
+    walks = []
+    for max_tokens in (2, 12):
+        CountingBias.walks = 0
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, logit_bias={comma: 100})
+        (output,) = default_llm.generate("Once upon a time", params, use_tqdm=False)
+        assert output.outputs[0].text == "," * max_tokens
+        walks.append(CountingBias.walks)
+    assert walks[0] == walks[1], walks  # the same for 2 and 12 steps (it was one walk a step)
+
+
 @pytest.mark.parametrize(
     ("body", "param", "message"),
     [
@@ -249,6 +281,7 @@ def test_logit_bias(client, default_llm):
         ({"functions": []}, "functions", "use `tools`"),
         ({"logit_bias": {"x": 1}}, "logit_bias", "not a token id"),
         ({"logit_bias": {"5": 101}}, "logit_bias.5", "less than or equal to 100"),
+        ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "1025 entries, more than the limit of 1024"),
         # Integers past 64 bits, which llguidance's schema converter raises on.
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "string", "maxLength": 10**30}}}}, "response_format.json_schema.schema", "not JSON serializable"),

@@ -75,7 +75,7 @@ class CachedRequestState:
     """What the runner keeps of a request between steps."""
 
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling_params", "eos_token_ids", "block_ids",
-                 "num_computed_tokens", "generator")
+                 "num_computed_tokens", "generator", "logit_bias")
 
     def __init__(self, new: NewRequestData) -> None:
         self.req_id = new.req_id
@@ -86,6 +86,8 @@ class CachedRequestState:
         self.block_ids = list(new.block_ids)
         self.num_computed_tokens = new.num_computed_tokens
         self.generator: torch.Generator | None = None  # seeded sampling, made on first use
+        # (token ids, biases) on the device, built on first use: not again at every step.
+        self.logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -373,11 +375,19 @@ class ModelRunner:
             if state.num_output_tokens < p.min_tokens:
                 batch.banned.append((row, sorted(set(p.stop_token_ids) | set(state.eos_token_ids))))
         if any(p.logit_bias for p in params):
-            entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in (p.logit_bias or {}).items()]
-            rows, tokens, biases = zip(*entries, strict=True)
-            batch.logit_bias = (self._tensor(np.asarray(rows, dtype=np.int64)),
-                                self._tensor(np.asarray(tokens, dtype=np.int64)),
-                                torch.tensor(biases, dtype=torch.float32, device=device))
+            rows, tokens, biases = [], [], []
+            for row, state in enumerate(states):
+                if not state.sampling_params.logit_bias:
+                    continue
+                if state.logit_bias is None:
+                    bias = state.sampling_params.logit_bias
+                    state.logit_bias = (self._tensor(np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))),
+                                        self._tensor(np.fromiter(bias.values(), dtype=np.float32, count=len(bias))))
+                ids, values = state.logit_bias
+                rows.append(torch.full_like(ids, row))
+                tokens.append(ids)
+                biases.append(values)
+            batch.logit_bias = (torch.cat(rows), torch.cat(tokens), torch.cat(biases))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
             batch.max_logprobs = max(wanted)
