@@ -440,6 +440,27 @@ def test_compile_cache_shares_one_compiled_grammar(compiler):
     assert two.num_accepted == 0 and one.matcher is not two.matcher
 
 
+def test_compile_cache_is_bounded_by_bytes_and_keyed_by_digests(tokenizer: Tokenizer):
+    import hashlib
+
+    compiler = GrammarCompiler(tokenizer, cache_bytes=3000)
+    try:
+        grammars = [StructuredOutputsParams(choice=[f"{i}-" + "x" * 1000]) for i in range(5)]
+        futures = [compiler.compile_async(g) for g in grammars]
+        assert all(f.result() is not None for f in futures)
+        keys = compiler.cached_keys()
+        # ~1 KB each, 3000 bytes: the two newest stay (256 full texts were kept before).
+        assert keys == [hashlib.sha256(g.cache_key.encode()).hexdigest() for g in grammars[-2:]]
+        assert compiler.cached_bytes == sum(len(g.cache_key.encode()) for g in grammars[-2:]) <= 3000
+        assert compiler.compile_async(grammars[-1]) is futures[-1]  # still shared
+        assert compiler.compile_async(grammars[0]) is not futures[0]  # evicted: compiled again
+        huge = StructuredOutputsParams(choice=["y" * 5000])  # alone past the bound: kept, alone
+        compiler.compile(huge)
+        assert compiler.cached_keys() == [hashlib.sha256(huge.cache_key.encode()).hexdigest()]
+    finally:
+        compiler.shutdown()
+
+
 def test_failed_compilation_is_not_cached(compiler):
     params = StructuredOutputsParams(regex="(unclosed")
     first = compiler.compile_async(params)

@@ -1,8 +1,9 @@
 """Grammars with llguidance: compiled on a small thread pool off the caller's thread, cached by
-grammar text, and tracked per request (allowed next tokens, accepted tokens, termination)."""
+a SHA-256 digest of the grammar's text, and tracked per request (allowed next tokens, accepted tokens, termination)."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -66,8 +67,7 @@ class Grammar:
 class CompiledGrammar:
     """A compiled grammar, shared by every request that asks for the same one."""
 
-    def __init__(self, grammar_text: str, matcher: llguidance.LLMatcher) -> None:
-        self.grammar_text = grammar_text
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._initial = matcher  # never advanced: requests start from copies of it
 
     def new_grammar(self) -> Grammar:
@@ -77,7 +77,9 @@ class CompiledGrammar:
 
 class GrammarCompiler:
     """Compiles StructuredOutputsParams for one tokenizer on `max_workers` threads; the same
-    grammar text is compiled once and its CompiledGrammar shared (the last `cache_size` kept).
+    grammar text is compiled once and its CompiledGrammar shared. The cache is keyed by a SHA-256
+    digest of the text and keeps the most recent grammars whose texts total at most `cache_bytes`
+    bytes (UTF-8) and number at most `cache_size` (the newest is kept whatever its size).
 
     `vocab_size` is the model's logits width when larger than the tokenizer's vocabulary;
     `eos_token_ids` are the ids that may end a finished grammar (default: the tokenizer's EOS).
@@ -91,31 +93,49 @@ class GrammarCompiler:
         eos_token_ids: Iterable[int] | None = None,
         max_workers: int = 2,
         cache_size: int = 256,
+        cache_bytes: int = 16 << 20,
     ) -> None:
         self.llg_tokenizer = build_llg_tokenizer(
             tokenizer, vocab_size=vocab_size, eos_token_ids=eos_token_ids
         )
         self.vocab_size: int = self.llg_tokenizer.vocab_size
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
-        self._cache: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[Future[CompiledGrammar], int]] = OrderedDict()  # digest -> (, bytes)
         self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
+        self._cached_bytes = 0
         self._lock = threading.Lock()
 
     def compile_async(self, params: StructuredOutputsParams) -> Future[CompiledGrammar]:
         """A future of the compiled grammar; it raises InvalidRequestError naming the field
         when the grammar does not compile."""
-        key = params.cache_key
+        text = params.cache_key.encode()
+        key = hashlib.sha256(text).hexdigest()
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None:
+            entry = self._cache.get(key)
+            if entry is not None:
                 self._cache.move_to_end(key)
-                return future
+                return entry[0]
             future = self._pool.submit(self._compile, params)
-            self._cache[key] = future
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            self._cache[key] = (future, len(text))
+            self._cached_bytes += len(text)
+            while len(self._cache) > 1 and (
+                len(self._cache) > self._cache_size or self._cached_bytes > self._cache_bytes
+            ):
+                self._cached_bytes -= self._cache.popitem(last=False)[1][1]
         future.add_done_callback(lambda done: self._forget_failure(key, done))
         return future
+
+    @property
+    def cached_bytes(self) -> int:
+        """The total size of the cached grammars' texts (what `cache_bytes` bounds)."""
+        with self._lock:
+            return self._cached_bytes
+
+    def cached_keys(self) -> list[str]:
+        """The cache's keys (digests), oldest first."""
+        with self._lock:
+            return list(self._cache)
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """compile_async, waited for."""
@@ -132,10 +152,12 @@ class GrammarCompiler:
             raise InvalidRequestError(
                 f"invalid {params.param}: {matcher.get_error().strip()}", param=params.param
             )
-        return CompiledGrammar(text, matcher)
+        return CompiledGrammar(matcher)
 
     def _forget_failure(self, key: str, future: Future[CompiledGrammar]) -> None:
         if future.cancelled() or future.exception() is not None:
             with self._lock:
-                if self._cache.get(key) is future:
+                entry = self._cache.get(key)
+                if entry is not None and entry[0] is future:
                     del self._cache[key]
+                    self._cached_bytes -= entry[1]
