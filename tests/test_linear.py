@@ -87,6 +87,18 @@ def test_float_linear_keeps_onednn_where_the_panel_kernel_does_not_apply():
     assert type(float_linear(random_linear())) is expected
 
 
+def test_the_load_log_counts_onednn_prepacked_weights():
+    """oneDNN's prepacked weights (what every float layer is on AMX CPUs, where the panel kernel
+    stands aside) have no storage: the load's weight summary counts them all the same (it raised
+    "Cannot access data pointer" on an AMX Xeon, so no float model loaded there)."""
+    from roseinfer.models.loader import describe_weights
+
+    model = nn.Sequential(PrepackedLinear(nn.Linear(64, 32)), PrepackedLinear(nn.Linear(32, 16, bias=False)))
+    assert model[0].packed_weight.is_mkldnn
+    summary = describe_weights(model)
+    assert summary.startswith("float32") and "(3)" in summary, summary
+
+
 def blocks_of(weight: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
     """The weight as our int8 / int4 quantization leaves it, expanded by gguf's own numpy code."""
     blocks = quantize_to_blocks(weight, qtype)

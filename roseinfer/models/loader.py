@@ -170,9 +170,14 @@ def describe_weights(model: nn.Module) -> str:
     seen: set[int] = set()
 
     def count(kind: str, tensor: torch.Tensor) -> None:
-        if tensor is None or tensor.data_ptr() in seen or tensor.numel() == 0:
+        if tensor is None or tensor.numel() == 0:
             return
-        seen.add(tensor.data_ptr())
+        # oneDNN's prepacked weights (every float layer on AMX CPUs) are opaque: no storage, no
+        # data pointer; each is its own weight.
+        key = id(tensor) if tensor.is_mkldnn else tensor.data_ptr()
+        if key in seen:
+            return
+        seen.add(key)
         entry = sizes.setdefault(kind, [0, 0])
         entry[0] += tensor.numel() * tensor.element_size()
         entry[1] += 1
