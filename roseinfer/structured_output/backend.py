@@ -100,7 +100,7 @@ class GrammarCompiler:
         )
         self.vocab_size: int = self.llg_tokenizer.vocab_size
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
-        self._cache: OrderedDict[str, tuple[Future[CompiledGrammar], int]] = OrderedDict()  # digest -> (, bytes)
+        self._cache: OrderedDict[str, tuple[Future[CompiledGrammar], int]] = OrderedDict()  # digest -> (future, bytes of the text)
         self._cache_size = cache_size
         self._cache_bytes = cache_bytes
         self._cached_bytes = 0
