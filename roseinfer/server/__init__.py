@@ -22,6 +22,15 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_REQUEST_TIMEOUT = 600.0
 DEFAULT_MAX_STOP = 32
 DEFAULT_MAX_STOP_CHARS = 512
+# Connections: a slow or stalled client may hold a connection only this long (seconds).
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_BODY_TIMEOUT = 60.0
+DEFAULT_SEND_TIMEOUT = 60.0
+# Open connections (uvicorn answers 503 beyond): each costs a socket and a little memory, and more
+# than the engine's queue can hold wait for nothing.
+DEFAULT_LIMIT_CONCURRENCY = 1024
+API_KEY_ENV = "ROSEINFER_API_KEY"
+LOOPBACK_HOSTS = ["localhost", "127.0.0.1", "[::1]"]
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +42,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every route but the chat page, /health "
-                            "and /metrics")
+                            f"and /metrics (also read from ${API_KEY_ENV}, or from a file: --api-key-file)")
+    group.add_argument("--api-key-file", default=None,
+                       help="read the API key from this file (its first line): keeps it out of the process list")
+    group.add_argument("--allowed-hosts", default=None,
+                       help="comma-separated names the Host header may carry ('*': any); default: "
+                            f"{','.join(LOOPBACK_HOSTS)} for a server on a loopback address without an API "
+                            "key (DNS rebinding), else any")
     group.add_argument("--protect-metrics", action="store_true",
                        help="with --api-key, require the key on /health and /metrics too")
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
@@ -65,6 +80,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
                         help="seconds a request may run from arrival to its last token before it is aborted "
                              f"with a 408 (or an error event); 0 for none (default {DEFAULT_REQUEST_TIMEOUT:g})")
+    connections = parser.add_argument_group("connections (deadlines for slow or stalled clients)")
+    connections.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
+                             help=f"most open connections; 503 beyond (default {DEFAULT_LIMIT_CONCURRENCY})")
+    connections.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                             help="seconds a request's headers may take to arrive; 0 for none "
+                                  f"(default {DEFAULT_HEADER_TIMEOUT:g})")
+    connections.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                             help="seconds a request's body may take to arrive (408 after); 0 for none "
+                                  f"(default {DEFAULT_BODY_TIMEOUT:g})")
+    connections.add_argument("--send-timeout", type=float, default=DEFAULT_SEND_TIMEOUT,
+                             help="seconds a client may read nothing of a response before the connection is "
+                                  f"closed and its request aborted; 0 for none (default {DEFAULT_SEND_TIMEOUT:g})")
     from roseinfer.server.data_parallel import add_data_parallel_args
 
     add_data_parallel_args(parser)
@@ -105,6 +132,48 @@ def _check_positive(name: str, value: float | None) -> None:
         raise RoseInferError(f"{name} must be at least 1, got {value}")
 
 
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key, --api-key-file or $ROSEINFER_API_KEY (one of them at most); an empty
+    key is an error, not a server open to all."""
+    import os
+
+    from roseinfer.errors import RoseInferError
+
+    sources = {name: value for name, value in (
+        ("--api-key", args.api_key),
+        ("--api-key-file", args.api_key_file),
+        (f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV)),
+    ) if value is not None}
+    if len(sources) > 1:
+        raise RoseInferError(f"the API key is given by {' and '.join(sources)}: give it one way")
+    if not sources:
+        return None
+    (source, value), = sources.items()
+    if source == "--api-key-file":
+        try:
+            lines = open(value, encoding="utf-8").read().splitlines()
+        except OSError as exc:
+            raise RoseInferError(f"--api-key-file: cannot read {value}: {exc.strerror}") from None
+        value = lines[0].strip() if lines else ""
+    if not value.strip():
+        raise RoseInferError(f"the API key from {source} is empty: a server that takes any key is a server "
+                             "without one (leave it out for that)")
+    return value
+
+
+def allowed_hosts(args: argparse.Namespace, api_key: str | None) -> list[str] | None:
+    """The Host header names to answer (None: any)."""
+    if args.allowed_hosts is not None:
+        names = [name.strip() for name in args.allowed_hosts.split(",") if name.strip()]
+        if not names:
+            from roseinfer.errors import RoseInferError
+
+            raise RoseInferError("--allowed-hosts is empty: give names, or '*' for any")
+        return None if "*" in names else names
+    loopback = args.host in ("localhost", "::1") or args.host.startswith("127.")
+    return LOOPBACK_HOSTS if api_key is None and loopback else None
+
+
 def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -115,6 +184,7 @@ def run_server(args: argparse.Namespace) -> int:
     from roseinfer.executor.local_workers import run_worker_host_if_asked
     from roseinfer.input_processor import RequestLimits, longest_prompt_chars
     from roseinfer.server.app import create_app
+    from roseinfer.server.connections import guarded_protocol
     from roseinfer.server.metrics import PrometheusStatLogger
 
     if args.data_parallel_size > 1:
@@ -124,10 +194,14 @@ def run_server(args: argparse.Namespace) -> int:
     exit_code = run_worker_host_if_asked(EngineConfig.from_cli_args(args))
     if exit_code is not None:  # a host without the engine: only its tensor-parallel workers ran
         return exit_code
-    for flag in ("max_queue_len", "max_request_body_bytes", "max_prompt_chars", "max_stop", "max_stop_chars"):
+    for flag in ("max_queue_len", "max_request_body_bytes", "max_prompt_chars", "max_stop", "max_stop_chars",
+                 "limit_concurrency"):
         _check_positive("--" + flag.replace("_", "-"), getattr(args, flag))
-    if args.request_timeout < 0:
-        raise RoseInferError(f"--request-timeout must be >= 0 (0: no limit), got {args.request_timeout}")
+    for flag in ("request_timeout", "header_timeout", "body_timeout", "send_timeout"):
+        if getattr(args, flag) < 0:
+            raise RoseInferError(f"--{flag.replace('_', '-')} must be >= 0 (0: no limit), got {getattr(args, flag)}")
+    api_key = resolve_api_key(args)
+    hosts = allowed_hosts(args, api_key)
     config = EngineConfig.from_cli_args(args)
     config.served_model_name = args.served_model_name
     max_queue_len = args.max_queue_len or 2 * config.max_num_seqs
@@ -143,12 +217,16 @@ def run_server(args: argparse.Namespace) -> int:
         cache_config={"block_size": engine.config.block_size, "num_gpu_blocks": engine.config.num_kv_blocks},
     )
     engine.stat_loggers.append(metrics)
-    app = create_app(engine, metrics, args.served_model_name, args.api_key, enable_web_ui=not args.disable_web_ui,
+    app = create_app(engine, metrics, args.served_model_name, api_key, enable_web_ui=not args.disable_web_ui,
                      tool_call_parser=args.tool_call_parser, max_body_bytes=args.max_request_body_bytes,
-                     protect_metrics=args.protect_metrics)
+                     protect_metrics=args.protect_metrics, body_timeout=args.body_timeout or None,
+                     allowed_hosts=hosts)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH_SECONDS,
+        # h11 with the header and send deadlines; no WebSocket (or other) upgrade is ever accepted
+        http=guarded_protocol(args.header_timeout, args.send_timeout), ws="none",
+        limit_concurrency=args.limit_concurrency,
     )
     server = _server_class()(config)
     server.before_shutdown = lambda: app.state.begin_shutdown(args.shutdown_timeout)

@@ -24,7 +24,7 @@ from roseinfer.engine.async_llm import AsyncLLM
 from roseinfer.errors import EngineDeadError, RoseInferError
 from roseinfer.server.error_responses import GenerationError, error_response, response_for
 from roseinfer.server.metrics import CONTENT_TYPE, PrometheusStatLogger
-from roseinfer.server.middleware import ApiKeyGuard, BodyLimit, ErrorGuard
+from roseinfer.server.middleware import ApiKeyGuard, BodyDeadline, BodyLimit, ErrorGuard, HostGuard
 from roseinfer.server.openapi import errors, finish_document, streamed
 from roseinfer.server.protocol import (
     MAX_NESTING_DEPTH,
@@ -114,6 +114,8 @@ def create_app(
     *,
     max_body_bytes: int | None = None,
     protect_metrics: bool = False,
+    body_timeout: float | None = None,
+    allowed_hosts: list[str] | None = None,
 ) -> FastAPI:
     """The app over a started AsyncLLM (whose engine core runs beside the event loop); `metrics`
     is the stat logger the engine feeds. `app.state.begin_shutdown(timeout)` starts a graceful
@@ -245,11 +247,15 @@ def create_app(
 
         add_web_ui(app)
 
+    if body_timeout:
+        app.add_middleware(BodyDeadline, seconds=body_timeout)
     if max_body_bytes is not None:
         app.add_middleware(BodyLimit, max_bytes=max_body_bytes, respond=lambda status, message: too_large())
     if api_key is not None:
         open_paths = OPEN_PATHS - ({"/health", "/metrics", "/get_load"} if protect_metrics else set())
         app.add_middleware(ApiKeyGuard, api_key=api_key, open_paths=open_paths, open_prefixes=OPEN_PREFIXES,
                            respond=lambda status, message: error_response(status, message, code="invalid_api_key"))
+    if allowed_hosts is not None:  # before the key: a rebinding page has no key, but say why
+        app.add_middleware(HostGuard, allowed=allowed_hosts, respond=error_response)
     app.add_middleware(ErrorGuard, respond=error_response)  # added last: the outermost
     return app

@@ -8,9 +8,11 @@ closes the connection; the guard here answers and returns instead.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import Callable
 
 from starlette.exceptions import HTTPException
@@ -84,6 +86,68 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+class BodyDeadline:
+    """The whole request body must arrive within `seconds` of the first read: a client trickling a
+    body a byte at a time would otherwise hold a connection and a request slot for ever. A late
+    body is a 408 naming the limit (raised where the app reads it, answered by its handler)."""
+
+    def __init__(self, app: ASGIApp, seconds: float) -> None:
+        self.app = app
+        self.seconds = seconds
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline: float | None = None
+        complete = False
+
+        async def timed_receive() -> Message:
+            nonlocal deadline, complete
+            if complete:  # after the body only a disconnect can arrive: no deadline on waiting for it
+                return await receive()
+            if deadline is None:
+                deadline = time.monotonic() + self.seconds
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                raise HTTPException(408, f"the request body did not arrive within {self.seconds:g} s "
+                                         "(--body-timeout)") from None
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, timed_receive, send)
+
+
+class HostGuard:
+    """Only requests whose Host header names one of `allowed` (a name, any port; "*" for any): a
+    keyless server on 127.0.0.1 is otherwise reachable from any web page through DNS rebinding
+    (evil.example resolving to 127.0.0.1 makes the browser send the page's requests here)."""
+
+    def __init__(self, app: ASGIApp, allowed: list[str], respond: ErrorResponder) -> None:
+        self.app = app
+        self.allowed = {name.lower().encode() for name in allowed}
+        self.respond = respond
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or b"*" in self.allowed or _host_name(scope) in self.allowed:
+            await self.app(scope, receive, send)
+            return
+        host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+        response = self.respond(400, f"the Host header {host!r} is not one this server answers to; allowed: "
+                                     f"{', '.join(sorted(name.decode() for name in self.allowed))} "
+                                     "(--allowed-hosts)")
+        await response(scope, receive, send)
+
+
+def _host_name(scope: Scope) -> bytes:
+    """The Host header's name without its port ([::1]:8000 -> [::1])."""
+    host = dict(scope["headers"]).get(b"host", b"").lower()
+    if host.startswith(b"["):
+        return host.partition(b"]")[0] + b"]"
+    return host.partition(b":")[0]
 
 
 class ErrorGuard:
