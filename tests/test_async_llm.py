@@ -181,3 +181,23 @@ def test_seed_online_scheduler_and_scheduler_manager(default_engine):
     finally:
         manager.stop()
     assert not manager.alive
+
+
+def test_a_consumer_that_stops_taking_outputs_gets_its_request_aborted(async_llm, monkeypatch):
+    """A stream's outputs queue up while its consumer is stuck (a client that reads nothing); past
+    the bound the request is aborted, its slots freed, and the consumer hears why when it resumes."""
+    import roseinfer.engine.async_llm as async_llm_module
+    from roseinfer.errors import RequestTimeoutError
+
+    monkeypatch.setattr(async_llm_module, "MAX_PENDING_OUTPUTS", 4)
+
+    async def run() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        outputs = async_llm.generate("Once upon a time", params, "stuck-consumer")
+        await outputs.__anext__()  # the first output; then the consumer stops taking them
+        await wait_until(lambda: async_llm.num_running == 0 and async_llm.num_waiting == 0)
+        with pytest.raises(RequestTimeoutError, match="never taken"):
+            async for _ in outputs:
+                pass
+
+    asyncio.run(run())

@@ -54,6 +54,10 @@ class NewRequest:
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only within one salt
 
 
+# Outputs (one a step per request) waiting for their consumer before the request is aborted.
+MAX_PENDING_OUTPUTS = 4096
+
+
 class RequestOutputStream:
     """The outputs of one or several requests as they arrive: `async for output in stream` (each
     output's `request_id` says whose). Ends once every request has finished; raises
@@ -69,6 +73,7 @@ class RequestOutputStream:
         self._engine = engine
         self._unfinished = set(request_ids)
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._overflowed = False
         self._timeout = timeout
         self._deadline = None if timeout is None else (time.monotonic() if arrival is None else arrival) + timeout
 
@@ -77,6 +82,18 @@ class RequestOutputStream:
         return not self._unfinished
 
     def put(self, item: RequestOutput | BaseException) -> None:
+        if self._overflowed:
+            return  # aborted: the outputs still on their way are dropped
+        if isinstance(item, RequestOutput) and self._queue.qsize() >= MAX_PENDING_OUTPUTS:
+            # Its consumer has stopped taking outputs (a stream whose client reads nothing, with
+            # --send-timeout 0): abort rather than hold an ever-growing queue.
+            self._overflowed = True
+            self.close()
+            self._queue = asyncio.Queue()
+            self._queue.put_nowait(RequestTimeoutError(
+                f"the request's {MAX_PENDING_OUTPUTS} newest outputs were never taken (the client stopped "
+                "reading); it was aborted"))
+            return
         self._queue.put_nowait(item)
 
     def __aiter__(self) -> RequestOutputStream:
