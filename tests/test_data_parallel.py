@@ -58,7 +58,8 @@ def successes(url: str) -> float:
 
 def test_launcher_strips_its_own_flags():
     argv = ["--log-level", "INFO", "serve", "--model", "m", "--data-parallel-size", "2", "--port=9000",
-            "--host", "0.0.0.0", "--router-policy", "round_robin", "-tp", "2", "--max-num-seqs", "8"]
+            "--host", "0.0.0.0", "--router-policy", "round_robin", "-tp", "2", "--protect-metrics",
+            "--api-key", "k", "--max-num-seqs", "8"]
     assert replica_arguments(argv) == ["--log-level", "INFO", "serve", "--model", "m", "-tp", "2",
                                        "--max-num-seqs", "8"]
 
@@ -144,3 +145,40 @@ def test_router_defaults_are_accepted_and_other_values_are_not():
     for name, value in (("no_stop_trim", True), ("return_hidden_states", True), ("continue_final_message", True)):
         with pytest.raises(ValidationError, match=name):
             CompletionRequest.model_validate({"prompt": "hi", name: value})
+
+
+def test_the_router_is_behind_the_key_and_its_admin_routes_are_unreachable(tiny_llama):
+    """vllm-router authenticates none of its clients and answers /add_worker (send users' prompts
+    to any URL), /remove_worker and /flush_cache on the port it serves: clients now meet roseinfer's
+    gateway, which checks the key on every route and forwards only the serving routes."""
+    key = "dp-secret"
+    server = ServerProcess("--model", str(tiny_llama), "--disable-web-ui", "--num-kv-blocks", "256",
+                           "--data-parallel-size", "2", "--data-parallel-base-port", "0", "--protect-metrics",
+                           env={"ROSEINFER_API_KEY": key})
+    auth = {"Authorization": f"Bearer {key}"}
+    try:
+        for method, path in (("POST", "/add_worker?url=http://127.0.0.1:9"), ("POST", "/remove_worker?url=x"),
+                             ("POST", "/flush_cache"), ("GET", "/list_workers"), ("GET", "/health")):
+            assert httpx.request(method, server.url + path).status_code == 401, path
+        for method, path in (("POST", "/add_worker?url=http://127.0.0.1:9"), ("GET", "/list_workers"),
+                             ("POST", "/flush_cache"), ("GET", "/workers")):
+            refused = httpx.request(method, server.url + path, headers=auth)
+            assert refused.status_code == 404 and "not a route" in refused.json()["error"]["message"], path
+        assert httpx.get(server.url + "/health", headers=auth).status_code == 200  # --protect-metrics started
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+        assert complete(client, PROMPTS[0])
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+            model="llama", prompt=PROMPTS[0], max_tokens=8, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) if chunk.choices)
+        assert streamed == complete(client, PROMPTS[0])
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        # a page from another origin gets no CORS grant to read anything
+        preflight = httpx.options(server.url + "/v1/completions", headers={
+            "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in preflight.headers
+        # the key is in no process's command line (every local user can read those)
+        for pid in replica_urls(server.process.pid):
+            assert key not in Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+    finally:
+        assert server.stop() == 0

@@ -3,7 +3,8 @@ machine.
 
 Each replica is an ordinary `roseinfer serve` on its own port of 127.0.0.1, pinned to its share
 of this process's cores (tensor-parallel workers inside a replica split that share again); the
-router in front is vLLM's Rust load balancer (`vllm-router`, a PyPI package): round robin,
+router in front of them, on a private port of 127.0.0.1 behind roseinfer's gateway (server/gateway.py:
+the key, Host and connection checks, and only the serving routes), is vLLM's Rust load balancer (`vllm-router`, a PyPI package): round robin,
 power-of-two least load (it polls each replica's `/get_load`), or prefix-cache aware. It retries
 a request that a replica refused and stops sending to a replica that fails its health checks.
 On several machines the same router is pointed at replicas on other hosts (README, "Scaling").
@@ -39,8 +40,13 @@ ROUTERS = ("vllm-router", "sglang-router")
 _ROUTER_SUBCOMMAND = {"vllm-router": [], "sglang-router": ["launch"]}
 ROUTER_POLICIES = ("power_of_two", "round_robin", "cache_aware", "consistent_hash", "random")
 DEFAULT_ROUTER_POLICY = "power_of_two"
+# The launcher's own flags, and the key's: replicas get the key in their environment, never on a
+# command line that every local user can read in the process list.
 _LAUNCHER_FLAGS = ("--data-parallel-size", "--data-parallel-base-port", "--router", "--router-policy",
-                   "--router-args", "--port", "--host")
+                   "--router-args", "--port", "--host", "--api-key", "--api-key-file", "--allowed-hosts")
+# Switches (no value) that are the gateway's alone: the router's health checks of the replicas
+# carry no key, so only the gateway closes /health and /metrics.
+_LAUNCHER_SWITCHES = ("--protect-metrics",)
 STARTUP_TIMEOUT_S = 600.0
 
 
@@ -64,6 +70,8 @@ def replica_arguments(argv: list[str]) -> list[str]:
     strip = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for flag in _LAUNCHER_FLAGS:
         strip.add_argument(flag)
+    for switch in _LAUNCHER_SWITCHES:
+        strip.add_argument(switch, action="store_true")
     strip.add_argument("-dp", dest="dp_short")
     _, rest = strip.parse_known_args(argv)
     return rest
@@ -99,6 +107,14 @@ class DataParallelLauncher:
         if args.port in self.ports:
             raise RoseInferError(f"the router's port {args.port} is one of the replicas' ports {self.ports}")
         self.command = [sys.executable, "-m", "roseinfer.cli", *replica_arguments(argv)]
+        from roseinfer.server import API_KEY_ENV, resolve_api_key
+
+        self.api_key = resolve_api_key(args)
+        self.replica_env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+        if self.api_key is not None:
+            self.replica_env[API_KEY_ENV] = self.api_key
+        self.auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self.router_port = free_port()  # private: only the gateway (server/gateway.py) faces clients
         self.cores = plan_cpu_binding("auto", self.size)
         self.router_binary = router_executable(args.router)
         self.replicas: list[subprocess.Popen] = []
@@ -109,7 +125,8 @@ class DataParallelLauncher:
         for index, (port, cores) in enumerate(zip(self.ports, self.cores, strict=True)):
             command = [*self.command, "--host", "127.0.0.1", "--port", str(port)]
             self.replicas.append(subprocess.Popen(
-                command, preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)),  # no threads here yet
+                command, env=self.replica_env,
+                preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)),  # no threads here yet
             ))
             logger.info("replica %d: http://127.0.0.1:%d, cores %s, pid %d", index, port, cores, self.replicas[-1].pid)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -119,7 +136,8 @@ class DataParallelLauncher:
                 if self.replicas[index].poll() is not None:
                     raise RoseInferError(f"replica {index} exited while starting (code {self.replicas[index].returncode})")
                 try:
-                    if httpx.get(f"http://127.0.0.1:{self.ports[index]}/health", timeout=2).status_code == 200:
+                    url = f"http://127.0.0.1:{self.ports[index]}/health"  # the key: --protect-metrics
+                    if httpx.get(url, headers=self.auth, timeout=2).status_code == 200:
                         waiting.discard(index)
                 except httpx.HTTPError:
                     pass
@@ -131,8 +149,10 @@ class DataParallelLauncher:
     def start_router(self) -> None:
         args = self.args
         command = [
-            self.router_binary, *_ROUTER_SUBCOMMAND[args.router], "--host", args.host, "--port", str(args.port),
+            self.router_binary, *_ROUTER_SUBCOMMAND[args.router], "--host", "127.0.0.1",
+            "--port", str(self.router_port),
             "--worker-urls", *[f"http://127.0.0.1:{port}" for port in self.ports],
+            "--max-payload-size", str(args.max_request_body_bytes),
             "--policy", args.router_policy,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             # Notice a dead replica within seconds rather than minutes; its circuit breaker opens
@@ -146,15 +166,19 @@ class DataParallelLauncher:
             if self.router.poll() is not None:
                 raise RoseInferError(f"{args.router} exited while starting (code {self.router.returncode})")
             try:
-                if httpx.get(f"http://{_connect_host(args.host)}:{args.port}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.router_url}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RoseInferError(f"{args.router} did not answer on port {args.port} in 60 s")
+                raise RoseInferError(f"{args.router} did not answer on port {self.router_port} in 60 s")
             time.sleep(0.3)
-        logger.info("%s (%s) on http://%s:%d in front of %d replicas", args.router, args.router_policy,
-                    args.host, args.port, self.size)
+        logger.info("%s (%s) on %s in front of %d replicas", args.router, args.router_policy, self.router_url,
+                    self.size)
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
 
     def watch(self) -> int:
         """Until stopped, or until the router or every replica has gone."""
@@ -189,6 +213,14 @@ class DataParallelLauncher:
 
 
 def run_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
+    import threading
+
+    import uvicorn
+
+    from roseinfer.server import _server_class, allowed_hosts
+    from roseinfer.server.connections import guarded_protocol
+    from roseinfer.server.gateway import create_gateway
+
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check
     launcher = DataParallelLauncher(args, argv)
 
@@ -200,10 +232,32 @@ def run_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         launcher.start_replicas()
         launcher.start_router()
-        return launcher.watch()
+        if launcher.stopping:
+            return 0
+        gateway = create_gateway(launcher.router_url, launcher.api_key, max_body_bytes=args.max_request_body_bytes,
+                                 body_timeout=args.body_timeout or None,
+                                 allowed_hosts=allowed_hosts(args, launcher.api_key),
+                                 protect_metrics=args.protect_metrics)
+        server = _server_class()(uvicorn.Config(
+            gateway, host=args.host, port=args.port, log_level="warning", access_log=False,
+            http=guarded_protocol(args.header_timeout, args.send_timeout), ws="none",
+            limit_concurrency=args.limit_concurrency, timeout_graceful_shutdown=args.shutdown_timeout,
+        ))
+        exit_code = 0
+
+        def watch() -> None:  # the router or every replica gone: the gateway stops too
+            nonlocal exit_code
+            exit_code = launcher.watch()
+            server.should_exit = True
+
+        watcher = threading.Thread(target=watch, name="data-parallel-watch", daemon=True)
+        watcher.start()
+        logger.info("listening on http://%s:%d (%d replicas behind %s)", args.host, args.port, launcher.size,
+                    args.router)
+        server.run()  # until SIGINT/SIGTERM (uvicorn's handlers) or the watcher's stop
+        launcher.stopping = True
+        watcher.join()
+        return exit_code
     finally:
         launcher.stop()
 
-
-def _connect_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
