@@ -79,7 +79,7 @@ def test_two_ranks_on_two_hosts(two_hosts, tmp_path):
         )
     ]
     port = "29" + str(400 + os.getpid() % 500)
-    environment = os.environ | {"PYTHONPATH": str(REPO)}
+    environment = os.environ | {"PYTHONPATH": str(REPO), "ROSEINFER_TP_SECRET": "a shared secret of both hosts"}
     worker_host = subprocess.Popen(
         ["ip", "netns", "exec", host1, sys.executable, "-m", "roseinfer.cli", "serve", "--tensor-parallel-size", "2",
          "--nnodes", "2", "--node-rank", "1", "--master-addr", address, "--master-port", port],
@@ -107,7 +107,7 @@ def test_ranks_launched_by_torchrun(tmp_path):
     tiny_hf_model("llama", model)
     command = ["-m", "roseinfer.cli", "generate", "--model", str(model), "--max-new-tokens", "12",
                "--num-kv-blocks", "64", "The quick brown fox", "def add(a, b):"]
-    environment = os.environ | {"PYTHONPATH": str(REPO)}
+    environment = os.environ | {"PYTHONPATH": str(REPO), "ROSEINFER_TP_SECRET": "a shared secret of both hosts"}
     one = subprocess.run([sys.executable, *command], cwd=REPO, env=environment, capture_output=True, text=True,
                          timeout=HANG_GUARD_S)
     assert one.returncode == 0, one.stderr[-3000:]

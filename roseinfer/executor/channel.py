@@ -3,7 +3,9 @@
     executor --XPUB--> SUB of every worker    the same message to all ranks (SchedulerOutputs)
     executor <--PULL-- PUSH of every worker   replies: rank 0's sampled tokens, readiness, errors
 
-IPC sockets when all ranks are on one host, TCP on host 0 when they span hosts. The XPUB socket
+IPC sockets when all ranks are on one host (a 0700 directory), TCP on host 0 when they span hosts:
+then bound to the address the other hosts connect to, authenticated and encrypted with CURVE keys
+from a shared secret (channel_security.py), and with size caps on what a peer may send. The XPUB socket
 sees each worker's subscription, so the executor sends nothing until every rank is listening (a
 plain PUB would drop what it sends before a late subscriber connects). A worker leaves when its
 broadcast connection drops: the engine is gone (ZeroMQ heartbeats notice a host that vanished).
@@ -21,6 +23,12 @@ from zmq.utils.monitor import recv_monitor_message
 
 from roseinfer.config import EngineConfig, ModelConfig
 from roseinfer.core import serial
+from roseinfer.executor.channel_security import (
+    CurveKeys,
+    make_client,
+    make_server,
+    start_authenticator,
+)
 
 # The configuration travels to every rank (remote hosts included) in the first broadcast.
 serial.register(EngineConfig)
@@ -28,22 +36,37 @@ serial.register(ModelConfig)
 
 _HEARTBEAT_MS = 2000
 _HEARTBEAT_TIMEOUT_MS = 20000
+# Steps are sent in lockstep (each waits for rank 0's reply), so a worker never has more than a
+# few queued; a queue this long means one stopped reading. Refusing then (XPUB_NODROP) beats both
+# dropping a step (ranks out of step) and growing without bound.
+_BROADCAST_QUEUE = 1000
+# The largest message a peer may send: replies carry sampled tokens (and, for tests, a step's
+# logits); broadcasts carry SchedulerOutputs and, once, the configuration.
+MAX_REPLY_BYTES = 1 << 30
+MAX_BROADCAST_BYTES = 256 << 20
 
 
 class ExecutorChannels:
-    def __init__(self, broadcast_addresses: list[str], reply_addresses: list[str]) -> None:
+    def __init__(self, broadcast_addresses: list[str], reply_addresses: list[str],
+                 keys: CurveKeys | None = None) -> None:
         self.context = zmq.Context()
+        self.authenticator = start_authenticator(self.context, keys) if keys is not None else None
         self.broadcast = self.context.socket(zmq.XPUB)
         self.broadcast.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, even repeated ones
-        self.broadcast.setsockopt(zmq.SNDHWM, 0)  # never drop a step
+        self.broadcast.setsockopt(zmq.SNDHWM, _BROADCAST_QUEUE)
+        self.broadcast.setsockopt(zmq.XPUB_NODROP, 1)
         self.broadcast.setsockopt(zmq.LINGER, 0)
         self.broadcast.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
         self.broadcast.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-        for address in broadcast_addresses:
-            self.broadcast.bind(address)
         self.reply = self.context.socket(zmq.PULL)
         self.reply.setsockopt(zmq.RCVHWM, 0)
         self.reply.setsockopt(zmq.LINGER, 0)
+        self.reply.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        if keys is not None:
+            make_server(self.broadcast, keys)
+            make_server(self.reply, keys)
+        for address in broadcast_addresses:
+            self.broadcast.bind(address)
         for address in reply_addresses:
             self.reply.bind(address)
 
@@ -60,12 +83,21 @@ class ExecutorChannels:
                     seen += 1
 
     def send(self, message: Any) -> None:
-        self.broadcast.send(serial.encode(message), copy=False)
+        try:
+            self.broadcast.send(serial.encode(message), copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again as exc:
+            raise WorkerStalledError(f"a worker has {_BROADCAST_QUEUE} steps it has not read") from exc
 
     def close(self) -> None:
         self.broadcast.close(linger=0)
         self.reply.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
         self.context.term()
+
+
+class WorkerStalledError(Exception):
+    """A worker stopped reading the broadcast."""
 
 
 class EngineGoneError(Exception):
@@ -76,19 +108,24 @@ class WorkerChannels:
     """A worker's end. `parent_pid`: the process that started the worker; if it dies before the
     broadcast connection is up (so no disconnect can be seen), the worker leaves too."""
 
-    def __init__(self, broadcast_address: str, reply_address: str, parent_pid: int | None = None) -> None:
+    def __init__(self, broadcast_address: str, reply_address: str, parent_pid: int | None = None,
+                 keys: CurveKeys | None = None) -> None:
         self.parent_pid = parent_pid
         self.context = zmq.Context()
         self.broadcast = self.context.socket(zmq.SUB)
         self.broadcast.setsockopt(zmq.RCVHWM, 0)
+        self.broadcast.setsockopt(zmq.MAXMSGSIZE, MAX_BROADCAST_BYTES)
         self.broadcast.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
         self.broadcast.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
         self.monitor = self.broadcast.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.broadcast.setsockopt(zmq.SUBSCRIBE, b"")
-        self.broadcast.connect(broadcast_address)
         self.reply = self.context.socket(zmq.PUSH)
         self.reply.setsockopt(zmq.LINGER, 5000)  # let a last error report leave before exiting
         self.reply.setsockopt(zmq.SNDTIMEO, 60000)
+        if keys is not None:
+            make_client(self.broadcast, keys)
+            make_client(self.reply, keys)
+        self.broadcast.connect(broadcast_address)
         self.reply.connect(reply_address)
         self.poller = zmq.Poller()
         self.poller.register(self.broadcast, zmq.POLLIN)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import socket
 import tempfile
 import threading
 import time
@@ -31,7 +32,8 @@ from roseinfer.core.messages import ModelRunnerOutput, SchedulerOutput
 from roseinfer.distributed.layout import distributed_layout
 from roseinfer.errors import ExecutorFailedError, InvalidRequestError
 from roseinfer.executor.base import Executor
-from roseinfer.executor.channel import ExecutorChannels
+from roseinfer.executor.channel import ExecutorChannels, WorkerStalledError
+from roseinfer.executor.channel_security import channel_keys
 from roseinfer.executor.local_workers import LocalWorkers
 from roseinfer.step_timings import PhaseClock, StepTimings
 
@@ -55,9 +57,10 @@ class MultiprocExecutor(Executor):
         self._failure_callbacks: list[Callable[[str], None]] = []
         self._directory = tempfile.TemporaryDirectory(prefix="roseinfer-tp-")
         if layout.multi_host:
+            # Bound to the address the other hosts reach this one by, not every interface;
+            # authenticated and encrypted (channel_security.py).
             broadcast, reply = layout.tcp_message_addresses()
-            port = layout.master_port
-            self.channels = ExecutorChannels([f"tcp://*:{port + 1}"], [f"tcp://*:{port + 2}"])
+            self.channels = ExecutorChannels([_bindable(broadcast)], [_bindable(reply)], channel_keys())
         else:
             broadcast = f"ipc://{Path(self._directory.name) / 'broadcast'}"
             reply = f"ipc://{Path(self._directory.name) / 'reply'}"
@@ -78,7 +81,7 @@ class MultiprocExecutor(Executor):
             self.channels.wait_for_subscribers(self.world_size, self.START_TIMEOUT_S, self._check_workers)
         except TimeoutError as exc:
             raise ExecutorFailedError(f"tensor-parallel workers did not start: {exc}") from exc
-        self.channels.send(("init", (config, model_config)))
+        self._send(("init", (config, model_config)))
         self._collect("ready", self.world_size, timeout_s=self.START_TIMEOUT_S)
         logger.info("%d tensor-parallel ranks ready in %.1fs", self.world_size, time.monotonic() - started)
 
@@ -103,7 +106,10 @@ class MultiprocExecutor(Executor):
     def _send(self, message: tuple[str, Any]) -> None:
         if self.dead_reason is not None:
             raise ExecutorFailedError(self.dead_reason)
-        self.channels.send(message)
+        try:
+            self.channels.send(message)
+        except WorkerStalledError as exc:
+            raise ExecutorFailedError(f"tensor-parallel workers stopped: {exc}") from exc
 
     def _collect(self, kind: str, count: int, timeout_s: float | None = None) -> list[Any]:
         """Wait for `count` replies of `kind` (in rank order); fail on an error reply or a dead
@@ -168,7 +174,7 @@ class MultiprocExecutor(Executor):
         if self.dead_reason is None:
             try:
                 self.channels.send(("shutdown", None))
-            except zmq.ZMQError:
+            except (zmq.ZMQError, WorkerStalledError):
                 pass
             self.workers.stop()
         else:
@@ -178,3 +184,11 @@ class MultiprocExecutor(Executor):
     def _close(self) -> None:
         self.channels.close()
         self._directory.cleanup()
+
+
+def _bindable(address: str) -> str:
+    """tcp://name:port with the name resolved to its address (ZeroMQ binds interfaces, not names)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if host.startswith("["):
+        return address
+    return f"tcp://{socket.gethostbyname(host)}:{port}"

@@ -31,6 +31,7 @@ from roseinfer.distributed.cpu_binding import apply_cpu_binding
 from roseinfer.distributed.network import choose_gloo_interface
 from roseinfer.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from roseinfer.executor.channel import EngineGoneError, WorkerChannels
+from roseinfer.executor.channel_security import channel_keys
 from roseinfer.models.loader import load_model_weights
 from roseinfer.worker.model_runner import ModelRunner
 
@@ -105,7 +106,8 @@ def run_worker(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the engine stops us
     threads = apply_cpu_binding(spec.cores, spec.local_world)
     logger.debug("rank %d: pid %d, cores %s, %d threads", spec.rank, os.getpid(), spec.cores, threads)
-    channels = WorkerChannels(spec.broadcast_address, spec.reply_address, parent_pid=os.getppid())
+    keys = channel_keys() if spec.broadcast_address.startswith("tcp://") else None  # other hosts: CURVE
+    channels = WorkerChannels(spec.broadcast_address, spec.reply_address, parent_pid=os.getppid(), keys=keys)
     worker: Worker | None = None
     try:
         while True:
