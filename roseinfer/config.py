@@ -62,6 +62,18 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
     hidden_act: str = "silu"
     sliding_window: int | None = None
+    # Which layers the window applies to ("sliding_attention" / "full_attention" per layer, as
+    # transformers' layer_types); None: every layer (Mistral).
+    layer_types: list[str] | None = None
+    # Gemma 2/3: soft-capping of attention scores and of the final logits (cap * tanh(x / cap)),
+    # queries scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5, the rotary base
+    # of the sliding layers (Gemma 3; None: rope_theta), and RMSNorm weights stored as w for a scale
+    # of norm_weight_offset + w (1.0 in Hugging Face checkpoints; GGUF files store 1 + w).
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
+    norm_weight_offset: float = 0.0
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
     # The dtype a Hugging Face checkpoint's weights are stored in ("bfloat16", "float32", ...), which
@@ -82,10 +94,18 @@ class ModelConfig:
 
     @property
     def context_length(self) -> int:
-        """The longest sequence the model was made for (a sliding window bounds it too)."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """The longest sequence the model was made for (a sliding window does not bound it: its
+        layers attend to the window's last tokens, see layer_window)."""
         return self.max_position_embeddings
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (keys at positions > query position - window), or
+        None where it attends to the whole sequence."""
+        if not self.sliding_window:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
 
 @dataclass

@@ -48,6 +48,32 @@ def converter_dir() -> Path:
     return _CACHE / "llama.cpp"
 
 
+def llama_cpp_chat_template(name: str) -> str:
+    """A real model's chat template from llama.cpp's collection (`models/templates/<name>.jinja` in
+    the same source distribution), fetched once beside the converter."""
+    directory = _CACHE / "templates"
+    ready = directory / "ready"
+    if not ready.exists():
+        _CACHE.mkdir(parents=True, exist_ok=True)
+        with open(_CACHE / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not ready.exists():
+                subprocess.run(
+                    [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                     f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(directory)],
+                    check=True,
+                )
+                archive = directory / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+                prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/models/templates/"
+                with tarfile.open(archive) as tar:
+                    for member in tar.getmembers():
+                        if member.name.startswith(prefix) and member.name.endswith(".jinja") and member.isfile():
+                            (directory / Path(member.name).name).write_bytes(tar.extractfile(member).read())
+                archive.unlink()
+                ready.touch()
+    return (directory / f"{name}.jinja").read_text()
+
+
 def write_default_tokenizer(path: Path) -> int:
     """The default model's (SmolLM2's) tokenizer files into `path`; returns its vocabulary size.
 

@@ -62,6 +62,34 @@ def test_kernel_matches_the_pytorch_path(kernel, heads, kv_heads, head_dim, dtyp
     assert (out.float() - expected).abs().max() < tolerance
 
 
+@pytest.mark.parametrize(("window", "softcap"), [(7, None), (20, 3.0), (None, 0.5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_kernel_window_and_softcap_match_the_pytorch_path(kernel, window, softcap, dtype, block_size):
+    """A sliding window (windows that start anywhere in a block, past whole blocks, or cover the
+    whole context) and a soft-cap, as parameters of the layer: the C++ kernel against the PyTorch
+    path (the window in its mask, the soft-cap in plain math)."""
+    lengths = [1, 7, 8, 15, 17, 100, 33]
+    q, kv_cache, tables, lens = random_step(8, 2, 64, lengths, dtype, block_size)
+    attention = PagedAttention(8, 2, 64, 64**-0.5, sliding_window=window, softcap=softcap)
+    positions = torch.arange(tables.shape[1] * block_size)
+    torch_meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(lengths),
+        decode_block_tables=tables, decode_context_lens=lens,
+        decode_mask=(positions[None, :] < lens[:, None])[:, None, None, :],
+    )
+    kernel_meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(lengths),
+        decode_block_tables=tables, decode_context_lens=lens, decode_kernel=kernel,
+    )
+    expected = attention._decode(q, kv_cache, torch_meta).float()
+    out = attention._decode(q, kv_cache, kernel_meta)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.float() - expected).abs().max() < tolerance
+    plain = PagedAttention(8, 2, 64, 64**-0.5)._decode(q, kv_cache, kernel_meta).float()
+    assert (plain - expected).abs().max() > 10 * tolerance  # the parameters changed the result
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_reads_queries_in_place(kernel, dtype):
     """q as the model hands it over, a strided view of the fused qkv output: read in place, the

@@ -1,4 +1,4 @@
-"""The gated MLP's activation: SiLU(gate) * up over the fused gate/up projection's output."""
+"""The gated MLP's activation: SiLU(gate) * up (or GELU(gate) * up) over the fused gate/up projection's output."""
 
 from __future__ import annotations
 
@@ -16,3 +16,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): GELU(gate, tanh approximation) * up over [..., 2 * width] (gate, then up)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

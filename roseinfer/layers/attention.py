@@ -10,6 +10,11 @@ math lives behind `PagedAttention.forward`, a small interface that another backe
 without touching the model code. Decode steps take one of two paths: a compiled kernel that reads
 the pool through the block tables (`decode_kernel`, see cpu_kernels.py), or plain PyTorch, which
 gathers each request's blocks into a padded copy and runs SDPA with a length mask.
+
+A layer may have a sliding window (its queries see only the keys of the last `window` positions,
+theirs included: Mistral, Qwen2 with use_sliding_window, Gemma's local layers) and a soft-cap of
+its scores (cap * tanh(score / cap) before the softmax: Gemma 2); both are parameters of the
+layer's PagedAttention, applied by the C++ decode kernel and by the PyTorch paths alike.
 """
 
 from __future__ import annotations
@@ -35,7 +40,10 @@ class PrefillChunk:
     mask: torch.Tensor | None = None  # [query_len, num_cached + query_len] when num_cached > 0
 
 
-DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# (q, k_pool, v_pool, tables, lens, scale, window, softcap) -> out; window 0: none, softcap 0: none.
+DecodeKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int, float], torch.Tensor
+]
 
 
 @dataclass
@@ -45,15 +53,45 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], padded with 0
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] tokens each attends to
     decode_mask: torch.Tensor | None = None  # PyTorch path: [num_decodes, 1, 1, max_blocks * block_size]
-    decode_kernel: DecodeKernel | None = None  # (q, k_pool, v_pool, tables, lens, scale) -> out
+    decode_kernel: DecodeKernel | None = None  # (q, k_pool, v_pool, tables, lens, scale, window, softcap) -> out
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # PyTorch path: decode_mask narrowed to each sliding window, made by the first layer that needs it.
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask_for(self, window: int | None) -> torch.Tensor | None:
+        if not window or self.decode_mask is None:
+            return self.decode_mask
+        mask = self.window_masks.get(window)
+        if mask is None:
+            keys = torch.arange(self.decode_mask.shape[-1], device=self.decode_mask.device)
+            inside = keys[None, :] >= (self.decode_context_lens - window)[:, None]
+            mask = self.window_masks[window] = self.decode_mask & inside[:, None, None, :]
+        return mask
 
 
-def causal_mask_with_prefix(num_cached: int, query_len: int, device: torch.device) -> torch.Tensor:
-    """Query i (at position num_cached + i) may see keys 0 .. num_cached + i."""
+def causal_mask_with_prefix(
+    num_cached: int, query_len: int, device: torch.device, window: int | None = None
+) -> torch.Tensor:
+    """Query i (at position num_cached + i) may see keys 0 .. num_cached + i (with a sliding
+    window, only those after num_cached + i - window)."""
     keys = torch.arange(num_cached + query_len, device=device)
     queries = torch.arange(query_len, device=device) + num_cached
-    return keys[None, :] <= queries[:, None]
+    mask = keys[None, :] <= queries[:, None]
+    if window:
+        mask &= keys[None, :] > queries[:, None] - window
+    return mask
+
+
+def softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
+) -> torch.Tensor:
+    """SDPA's math with the scores soft-capped before the mask and softmax (SDPA has no soft-cap);
+    q [..., heads, queries, dim], k/v [..., heads, keys, dim] (heads already matched), mask boolean."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
 
 
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -108,8 +146,13 @@ def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 class PagedAttention(nn.Module):
     """Attention of the step's queries over each request's cached keys and values (plain PyTorch)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+        sliding_window: int | None = None, softcap: float | None = None,
+    ) -> None:
         super().__init__()
+        self.sliding_window = sliding_window or None
+        self.softcap = softcap or None
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} heads cannot share {num_kv_heads} KV heads evenly")
         self.num_heads = num_heads
@@ -144,7 +187,8 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.decode_kernel is not None:
             return meta.decode_kernel(
-                q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_context_lens, self.scale
+                q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_context_lens, self.scale,
+                self.sliding_window or 0, self.softcap or 0.0,
             )
         batch = q.shape[0]
         block_ids = meta.decode_block_tables.view(-1)
@@ -155,10 +199,14 @@ class PagedAttention(nn.Module):
         # One query token per request: the heads sharing a KV head become that head's query rows,
         # so grouped-query attention needs no copies of K and V.
         grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            grouped, keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=meta.decode_mask, scale=self.scale,
-        )
+        mask = meta.decode_mask_for(self.sliding_window)
+        if self.softcap:
+            out = softcapped_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2), mask, self.scale,
+                                       self.softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=self.scale,
+            )
         return out.reshape(batch, self.num_heads, self.head_dim)
 
     def _prefill(
@@ -169,6 +217,9 @@ class PagedAttention(nn.Module):
         kv_cache: torch.Tensor,
         chunk: PrefillChunk,
     ) -> torch.Tensor:
+        window = self.sliding_window
+        if window and chunk.num_cached + chunk.query_len <= window:
+            window = None  # every query sees all it would see without the window
         if chunk.num_cached == 0:
             # The whole context is in this chunk: attend to the fresh keys, causally.
             keys, values, mask, causal = k, v, None, True
@@ -177,6 +228,15 @@ class PagedAttention(nn.Module):
             keys = kv_values(gather_blocks(kv_cache[0], chunk.block_ids)[:context], self.head_dim, q.dtype)
             values = kv_values(gather_blocks(kv_cache[1], chunk.block_ids)[:context], self.head_dim, q.dtype)
             mask, causal = chunk.mask, False
+        if window or (self.softcap and causal):
+            mask, causal = causal_mask_with_prefix(chunk.num_cached, chunk.query_len, q.device, window), False
+        if self.softcap:
+            group = self.group
+            out = softcapped_attention(
+                q.transpose(0, 1), keys.transpose(0, 1).repeat_interleave(group, 0),
+                values.transpose(0, 1).repeat_interleave(group, 0), mask, self.scale, self.softcap,
+            )
+            return out.transpose(0, 1)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
             attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.group > 1,

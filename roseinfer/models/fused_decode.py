@@ -20,6 +20,7 @@ from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.layers.cpu_kernels import cpu_kernels
 from roseinfer.layers.linear import BlockLinear, PanelLinear, PrepackedLinear
 from roseinfer.layers.rotary import RotaryEmbedding
+from roseinfer.models.llama import LlamaForCausalLM
 
 # A linear layer as the C++ step takes it: (tensors, GGML types, bias, exact); see DecodeLinear in
 # layers/csrc/llama_decode_cpu.cpp.
@@ -47,12 +48,17 @@ def fused_decoder_for(
     activation, dtype or device, linear layers it cannot call, tensor-parallel shards, no C++
     kernels)."""
     kernels = cpu_kernels()
+    windows = {config.layer_window(i) for i in range(config.num_layers)}
     if (
-        kernels is None
+        # Only the Llama family itself: Gemma (extra norms, GeGLU, soft-caps, two rotary bases) is
+        # a subclass of it that the C++ step does not compute, so it is refused by type too.
+        config.architecture != "llama"
+        or type(model) is not LlamaForCausalLM
+        or len(windows) > 1  # the C++ step takes one sliding window for every layer
+        or kernels is None
         or get_tp_group().size > 1  # the C++ step has no all-reduce between its layers
         or device.type != "cpu"
         or dtype not in (torch.float32, torch.bfloat16)
-        or config.architecture != "llama"
         or config.hidden_act != "silu"
         or not all(_callable(m, dtype) for m in model.modules() if _is_projection(m))
     ):
@@ -70,6 +76,7 @@ def fused_decoder_for(
     return FusedDecoder(kernels.LlamaDecoder(
         config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
         model.lm_head.out_features, config.norm_eps, model.model.norm.weight.detach(), _linear(model.lm_head), layers,
+        windows.pop() or 0,
     ), model.model.embed_tokens, model.rotary)
 
 

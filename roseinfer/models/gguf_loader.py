@@ -20,7 +20,12 @@ from roseinfer.layers.quantization.gguf import BlockTensor
 from roseinfer.models.gguf_file import GGUFFile
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "gpt2")
+# Gemma: arch -> the period of llama.cpp's layer pattern (every n-th layer global), which the
+# converter does not write (llama.cpp hard-codes it), and the layer count of the 27B model, whose
+# queries llama.cpp scales by (hidden / heads) ** -0.5 (its query_pre_attn_scalar) instead of
+# head_dim ** -0.5.
+GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
+SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, *GEMMA, "gpt2")
 _PERMUTED_QK = ("llama", "mistral")
 
 _LLAMA_NAMES = {
@@ -35,6 +40,12 @@ _LLAMA_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+_GEMMA_NAMES = {
+    **_LLAMA_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _LLAMA_GLOBAL = {
     "token_embd": "model.embed_tokens",
@@ -111,6 +122,8 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
             hidden_act="gelu_new",
             **common,
         )
+    if arch in GEMMA:
+        return _gemma_config(gguf, arch, key, common)
     scaling = None
     if gguf.has_tensor("rope_freqs.weight"):
         factors = gguf.load_tensor("rope_freqs.weight").tolist()
@@ -131,12 +144,57 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     )
 
 
+def _gemma_config(gguf: GGUFFile, arch: str, key, common: dict) -> ModelConfig:
+    meta = gguf.metadata
+    period, layers_27b = GEMMA[arch]
+    layers = common["num_layers"]
+    window = meta.get(f"{arch}.attention.sliding_window")
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # per layer: whether it slides
+        layer_types = ["sliding_attention" if slides else "full_attention" for slides in pattern]
+    else:
+        period = int(pattern or period)
+        layer_types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
+    heads = common["num_heads"]
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or common["hidden_size"] // heads)
+    if f"{arch}.attention.scale" in meta:
+        scalar = float(meta[f"{arch}.attention.scale"]) ** -2
+    else:
+        scalar = common["hidden_size"] / heads if layers == layers_27b else head_dim
+    scaling = None
+    if meta.get(f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
+        raise ModelLoadError(f"{gguf.path}: rope scaling {meta[f'{arch}.rope.scaling.type']!r} is not supported")
+    theta = float(key("rope.freq_base", 10000.0 if arch == "gemma2" else 1_000_000.0))
+    return ModelConfig(
+        architecture=arch,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qk_norm=arch == "gemma3",
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=int(window) if window else None,
+        layer_types=layer_types if window else None,
+        attn_logit_softcapping=meta.get(f"{arch}.attn_logit_softcapping"),
+        final_logit_softcapping=meta.get(f"{arch}.final_logit_softcapping"),
+        query_pre_attn_scalar=float(scalar),
+        rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0 if arch == "gemma3" else theta)),
+        norm_weight_offset=0.0,  # the converter stored 1 + w
+        **common,
+    )
+
+
 def gguf_weights(
     gguf: GGUFFile, config: ModelConfig, expand: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
     """Every tensor under its Hugging Face name, as stored (`expand`: as float32 values)."""
     arch = gguf.architecture
     per_layer, global_names = (_GPT2_NAMES, _GPT2_GLOBAL) if arch == "gpt2" else (_LLAMA_NAMES, _LLAMA_GLOBAL)
+    if arch in GEMMA:
+        per_layer = _GEMMA_NAMES
     layer_prefix = "transformer.h" if arch == "gpt2" else "model.layers"
     for name in gguf.tensor_names():
         if name == "rope_freqs.weight":

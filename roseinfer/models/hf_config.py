@@ -59,8 +59,14 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
         heads = raw["num_attention_heads"]
         theta, scaling = _rope(raw)
         sliding = raw.get("sliding_window")
-        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
-            sliding = None
+        layer_types = raw.get("layer_types")
+        if model_type == "qwen2":
+            if not raw.get("use_sliding_window", False):
+                sliding = None
+            elif layer_types is None:  # as transformers: layers from max_window_layers on slide
+                first = raw.get("max_window_layers", 28)
+                layer_types = ["sliding_attention" if i >= first else "full_attention"
+                               for i in range(raw["num_hidden_layers"])]
         return ModelConfig(
             architecture="llama",
             vocab_size=raw["vocab_size"],
@@ -79,10 +85,13 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
             qk_norm=qk_norm,
             hidden_act=raw.get("hidden_act", "silu"),
             sliding_window=sliding,
+            layer_types=layer_types if sliding else None,
             eos_token_ids=eos,
             name=name,
             checkpoint_dtype=_stored_dtype(raw),
         )
+    if model_type in _GEMMA:
+        return _gemma_config(raw, model_type, path, eos, name)
     if model_type == "gpt2":
         hidden = raw["n_embd"]
         activation = raw.get("activation_function", "gelu_new")
@@ -105,7 +114,68 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
             name=name,
             checkpoint_dtype=_stored_dtype(raw),
         )
-    supported = sorted([*_LLAMA_FAMILY, "gpt2"])
+    supported = sorted([*_LLAMA_FAMILY, *_GEMMA, "gpt2"])
     raise ModelLoadError(
         f"{path}: model_type {model_type!r} is not supported; supported: {supported}"
+    )
+
+
+# model_type -> (our architecture, the period of its default layer pattern: every n-th layer global)
+_GEMMA = {"gemma2": ("gemma2", 2), "gemma3_text": ("gemma3", 6)}
+
+
+def _gemma_config(raw: dict[str, Any], model_type: str, path: Path, eos: list[int], name: str) -> ModelConfig:
+    architecture, period = _GEMMA[model_type]
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{path}: use_bidirectional_attention (an embedding model) is not supported")
+    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"{path}: Gemma activation {activation!r} is not supported (gelu_pytorch_tanh)")
+    layers = raw["num_hidden_layers"]
+    period = raw.get("sliding_window_pattern", period)
+    layer_types = raw.get("layer_types") or [
+        "sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)
+    ]
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: rotary parameters per layer type
+        global_rope, local_rope = params["full_attention"] or {}, params.get("sliding_attention") or {}
+        theta = float(global_rope.get("rope_theta", 1_000_000.0))
+        scaling = None
+        if global_rope.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in global_rope.items() if k != "rope_theta"}
+        local_theta = float(local_rope.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0)))
+        if local_rope.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"{path}: rotary scaling of the sliding layers is not supported")
+    else:
+        theta, scaling = _rope(raw)
+        local_theta = float(raw.get("rope_local_base_freq", theta)) if model_type == "gemma3_text" else theta
+    heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        intermediate_size=raw["intermediate_size"],
+        max_position_embeddings=raw.get("max_position_embeddings", 8192),
+        norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=raw.get("tie_word_embeddings", True),
+        attention_bias=raw.get("attention_bias", False),
+        qk_norm=architecture == "gemma3",
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=raw.get("sliding_window"),
+        layer_types=layer_types,
+        attn_logit_softcapping=raw.get("attn_logit_softcapping"),
+        final_logit_softcapping=raw.get("final_logit_softcapping"),
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or head_dim),
+        rope_local_theta=local_theta,
+        norm_weight_offset=1.0,
+        eos_token_ids=eos,
+        name=name,
+        checkpoint_dtype=_stored_dtype(raw),
     )

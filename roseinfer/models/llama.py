@@ -30,7 +30,7 @@ from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.tp = get_tp_group()
         # This rank's KV heads, and the query heads that share them.
@@ -50,7 +50,8 @@ class LlamaAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, config.head_dim, config.head_dim**-0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, config.head_dim, config.head_dim**-0.5,
+                                   sliding_window=config.layer_window(layer))
 
     def forward(
         self,
@@ -84,10 +85,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -114,7 +115,7 @@ class LlamaBackbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
 

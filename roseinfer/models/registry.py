@@ -11,12 +11,16 @@ from roseinfer.config import ModelConfig
 from roseinfer.errors import ModelLoadError
 from roseinfer.layers.linear import LinearLayerKernels, WeightParts, prepare_linear_layers
 from roseinfer.layers.parallel import VocabParallelEmbedding
+from roseinfer.layers.rotary import RotaryEmbedding
+from roseinfer.models.gemma import GemmaForCausalLM
 from roseinfer.models.gpt2 import GPT2LMHeadModel
 from roseinfer.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "gpt2": GPT2LMHeadModel,
+    "gemma2": GemmaForCausalLM,
+    "gemma3": GemmaForCausalLM,
 }
 
 
@@ -55,8 +59,9 @@ def build_model(
                 linear_kernels.prepare(model, module_name, blocks.get("weight"))
 
     model.load_weights(weights, convert_when_loaded)
-    if hasattr(model, "rotary"):
-        model.rotary.to(device)
+    for value in vars(model).values():  # rotary tables (Gemma 3 has one per kind of layer)
+        if isinstance(value, RotaryEmbedding):
+            value.to(device)
     model.requires_grad_(False)
     tie_head_to_table_blocks(model, linear_kernels)
     prepare_linear_layers(model, quantization, device)  # what is left: dense layers, the head

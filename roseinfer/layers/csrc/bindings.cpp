@@ -3,7 +3,8 @@
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t window, double softcap);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_embedding_(torch::Tensor x, torch::Tensor rotations);
@@ -25,7 +26,11 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> parts, std
                           c10::optional<torch::Tensor> bias, bool exact);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over a paged KV pool (CPU), optionally in a sliding window and soft-capped",
+        pybind11::arg("q"), pybind11::arg("k_pool"), pybind11::arg("v_pool"), pybind11::arg("block_tables"),
+        pybind11::arg("context_lens"), pybind11::arg("scale"), pybind11::arg("window") = 0,
+        pybind11::arg("softcap") = 0.0);
   m.def("rms_norm", &rms_norm, "x / rms(x) * weight over the last dimension (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "in place: residual += x; x = rms_norm(residual) * weight (CPU)");

@@ -130,9 +130,10 @@ class LlamaDecoder {
                                LinearSpec>;
 
   LlamaDecoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, int64_t vocab,
-               double eps, torch::Tensor final_norm, LinearSpec head, std::vector<LayerSpec> layers)
+               double eps, torch::Tensor final_norm, LinearSpec head, std::vector<LayerSpec> layers,
+               int64_t sliding_window)
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate),
-        eps_(static_cast<float>(eps)), dtype_(final_norm.scalar_type()) {
+        window_(sliding_window), eps_(static_cast<float>(eps)), dtype_(final_norm.scalar_type()) {
     TORCH_CHECK(dtype_ == torch::kFloat || dtype_ == torch::kBFloat16, "activations must be float32 or bfloat16, not ",
                 dtype_);
     final_norm_ = final_norm.contiguous();
@@ -255,7 +256,8 @@ class LlamaDecoder {
           }
           roseinfer::paged_attention_sequence<T, cache_t>(qkv + b * qkv_size, keys, keys + pool_half,
                                                           tables + b * max_blocks, lens[b], heads_, kv_heads_,
-                                                          block_size, D, scale, out + b * q_size, scores, work);
+                                                          block_size, D, scale, out + b * q_size, scores, work,
+                                                          window_);
         }
       });
     };
@@ -271,6 +273,7 @@ class LlamaDecoder {
   }
 
   int64_t hidden_, heads_, kv_heads_, head_dim_, intermediate_;
+  int64_t window_;  // every layer's sliding window (Mistral, Qwen2), 0: none
   float eps_;
   c10::ScalarType dtype_;
   torch::Tensor final_norm_;
@@ -281,6 +284,6 @@ class LlamaDecoder {
 void bind_llama_decoder(pybind11::module& m) {
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, LinearSpec,
-                          std::vector<LlamaDecoder::LayerSpec>>())
+                          std::vector<LlamaDecoder::LayerSpec>, int64_t>())
       .def("forward", &LlamaDecoder::forward, "one decode step: token embeddings -> logits (see the source's header)");
 }

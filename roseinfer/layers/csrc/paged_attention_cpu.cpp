@@ -47,21 +47,27 @@ inline void prefetch_row(const scalar_t* row, int64_t elements) {
 }
 
 // Softmax of each query head's scores (rows of `stride` floats, the first context_len used), in
-// float: the max is subtracted; no infinities are involved.
-inline void softmax_rows(float* scores, int64_t heads, int64_t context_len, int64_t stride) {
+// float: the max is subtracted; no infinities are involved. The first `skip` tokens are outside a
+// sliding window: they get weight exactly 0. `softcap` > 0: scores are first squashed to
+// softcap * tanh(score / softcap) (Gemma 2's attention logit soft-capping).
+inline void softmax_rows(float* scores, int64_t heads, int64_t context_len, int64_t stride, int64_t skip,
+                         float softcap) {
   for (int64_t head = 0; head < heads; ++head) {
     float* __restrict s = scores + head * stride;
-    float max_score = s[0];
-    for (int64_t t = 1; t < context_len; ++t) max_score = std::max(max_score, s[t]);
+    for (int64_t t = 0; t < skip; ++t) s[t] = 0.0f;
+    if (softcap > 0.0f)
+      for (int64_t t = skip; t < context_len; ++t) s[t] = std::tanh(s[t] / softcap) * softcap;
+    float max_score = s[skip];
+    for (int64_t t = skip + 1; t < context_len; ++t) max_score = std::max(max_score, s[t]);
     float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < context_len; ++t) {
+    for (int64_t t = skip; t < context_len; ++t) {
       s[t] = std::exp(s[t] - max_score);
       total += s[t];
     }
     const float inv = 1.0f / total;
 #pragma omp simd
-    for (int64_t t = 0; t < context_len; ++t) s[t] *= inv;
+    for (int64_t t = skip; t < context_len; ++t) s[t] *= inv;
   }
 }
 
@@ -75,7 +81,7 @@ void decode_sequence(const scalar_t* __restrict q,      // [heads, head_dim]
                      const cache_t* __restrict v_pool,
                      const int64_t* __restrict block_table,  // this sequence's blocks
                      int64_t context_len, int64_t heads, int64_t kv_heads, int64_t block_size,
-                     int64_t head_dim_runtime, float scale,
+                     int64_t head_dim_runtime, float scale, int64_t skip, float softcap,
                      scalar_t* __restrict out,  // [heads, head_dim]
                      std::vector<float>& scores_buffer, std::vector<float>& work) {
   const int64_t head_dim = HEAD_DIM ? HEAD_DIM : head_dim_runtime;
@@ -102,7 +108,7 @@ void decode_sequence(const scalar_t* __restrict q,      // [heads, head_dim]
       scores[head * context_len + t] = dot;
     }
   }
-  softmax_rows(scores, heads, context_len, context_len);
+  softmax_rows(scores, heads, context_len, context_len, skip, softcap);
   for (int64_t t = 0; t < context_len; ++t) {
     const cache_t* __restrict row = v_pool + slot_of(t) * token_stride;
     if (t + kPrefetchDistance < context_len) prefetch_row(v_pool + slot_of(t + kPrefetchDistance) * token_stride, token_stride);
@@ -219,7 +225,8 @@ template <typename scalar_t, typename cache_t, int HEAD_DIM>
 void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restrict k_pool,
                             const cache_t* __restrict v_pool, const int64_t* __restrict block_table,
                             int64_t context_len, int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
-                            scalar_t* __restrict out, std::vector<float>& scores_buffer, std::vector<float>& work) {
+                            int64_t skip, float softcap, scalar_t* __restrict out, std::vector<float>& scores_buffer,
+                            std::vector<float>& work) {
   constexpr int V = HEAD_DIM / kLanes;
   constexpr int64_t ROW = roseinfer::kv_row_elements<cache_t>(HEAD_DIM);
   const int64_t group = heads / kv_heads, token_stride = kv_heads * ROW;
@@ -276,7 +283,7 @@ void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restr
       _mm512_mask_storeu_ps(scores + head * padded + start, valid,
                             _mm512_mul_ps(scale_v, sum_lanes_of_16(partial + head * kLanes * kLanes)));
   }
-  softmax_rows(scores, heads, context_len, padded);
+  softmax_rows(scores, heads, context_len, padded, skip, softcap);
   // Values block by block, the next block requested while this one is used; within a block, each
   // KV head's query heads in register-sized chunks (HEADS x V accumulators plus V value registers).
   constexpr int kMaxHeads = std::max(1, 16 / V);
@@ -315,29 +322,42 @@ void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restr
 template <typename scalar_t, typename cache_t>
 void decode_dispatch(int64_t head_dim, const scalar_t* q, const cache_t* k, const cache_t* v,
                      const int64_t* table, int64_t len, int64_t heads, int64_t kv_heads,
-                     int64_t block_size, float scale, scalar_t* out, std::vector<float>& scores,
-                     std::vector<float>& work) {
+                     int64_t block_size, float scale, int64_t skip, float softcap, scalar_t* out,
+                     std::vector<float>& scores, std::vector<float>& work) {
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<cache_t, double>) {  // (a double pool takes the plain loops)
     if (head_dim == 64)
       return decode_sequence_avx512<scalar_t, cache_t, 64>(q, k, v, table, len, heads, kv_heads, block_size, scale,
-                                                           out, scores, work);
+                                                           skip, softcap, out, scores, work);
     if (head_dim == 128)
       return decode_sequence_avx512<scalar_t, cache_t, 128>(q, k, v, table, len, heads, kv_heads, block_size, scale,
-                                                            out, scores, work);
+                                                            skip, softcap, out, scores, work);
   }
 #endif
   switch (head_dim) {
     case 64:
-      return decode_sequence<scalar_t, cache_t, 64>(q, k, v, table, len, heads, kv_heads, block_size, 64, scale, out,
-                                           scores, work);
+      return decode_sequence<scalar_t, cache_t, 64>(q, k, v, table, len, heads, kv_heads, block_size, 64, scale, skip,
+                                           softcap, out, scores, work);
     case 128:
       return decode_sequence<scalar_t, cache_t, 128>(q, k, v, table, len, heads, kv_heads, block_size, 128, scale,
-                                            out, scores, work);
+                                            skip, softcap, out, scores, work);
     default:
       return decode_sequence<scalar_t, cache_t, 0>(q, k, v, table, len, heads, kv_heads, block_size, head_dim, scale,
-                                          out, scores, work);
+                                          skip, softcap, out, scores, work);
   }
+}
+
+// A sequence's attention limited to its last `window` tokens (0: all of them), the query being the
+// last token (Hugging Face's sliding window: key positions > query position - window). The blocks
+// wholly before the window are never read; the first block's earlier tokens get zero weight.
+template <typename scalar_t, typename cache_t>
+void decode_window(int64_t head_dim, const scalar_t* q, const cache_t* k, const cache_t* v, const int64_t* table,
+                   int64_t len, int64_t heads, int64_t kv_heads, int64_t block_size, float scale, int64_t window,
+                   float softcap, scalar_t* out, std::vector<float>& scores, std::vector<float>& work) {
+  const int64_t first = window > 0 && len > window ? len - window : 0;
+  const int64_t first_block = first / block_size, start = first_block * block_size;
+  decode_dispatch<scalar_t, cache_t>(head_dim, q, k, v, table + first_block, len - start, heads, kv_heads, block_size,
+                                     scale, first - start, softcap, out, scores, work);
 }
 
 }  // namespace
@@ -348,17 +368,17 @@ template <typename scalar_t, typename cache_t>
 void paged_attention_sequence(const scalar_t* q, const cache_t* k_pool, const cache_t* v_pool,
                               const int64_t* block_table, int64_t context_len, int64_t heads, int64_t kv_heads,
                               int64_t block_size, int64_t head_dim, float scale, scalar_t* out,
-                              std::vector<float>& scores, std::vector<float>& work) {
+                              std::vector<float>& scores, std::vector<float>& work, int64_t window, float softcap) {
   DenormalsAreZero flush;
-  decode_dispatch<scalar_t, cache_t>(head_dim, q, k_pool, v_pool, block_table, context_len, heads, kv_heads,
-                                     block_size, scale, out, scores, work);
+  decode_window<scalar_t, cache_t>(head_dim, q, k_pool, v_pool, block_table, context_len, heads, kv_heads, block_size,
+                                   scale, window, softcap, out, scores, work);
 }
 
 #define ROSEINFER_ATTENTION(scalar_t, cache_t)                                                                  \
   template void paged_attention_sequence<scalar_t, cache_t>(const scalar_t*, const cache_t*, const cache_t*,   \
                                                             const int64_t*, int64_t, int64_t, int64_t, int64_t, \
                                                             int64_t, float, scalar_t*, std::vector<float>&,    \
-                                                            std::vector<float>&);
+                                                            std::vector<float>&, int64_t, float);
 ROSEINFER_ATTENTION(float, float)
 ROSEINFER_ATTENTION(float, c10::BFloat16)
 ROSEINFER_ATTENTION(float, c10::Half)
@@ -374,7 +394,7 @@ namespace {
 template <typename scalar_t, typename cache_t>
 void decode_batch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                   const torch::Tensor& block_tables, const torch::Tensor& context_lens, float scale,
-                  torch::Tensor& out) {
+                  int64_t window, float softcap, torch::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2), q_stride = q.stride(0);
   const int64_t block_size = k_pool.size(1), kv_heads = k_pool.size(2), max_blocks = block_tables.size(1);
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
@@ -387,9 +407,9 @@ void decode_batch(const torch::Tensor& q, const torch::Tensor& k_pool, const tor
     DenormalsAreZero flush;
     std::vector<float> scores, work;
     for (int64_t b = begin; b < end; ++b) {
-      decode_dispatch<scalar_t, cache_t>(head_dim, q_ptr + b * q_stride, k_ptr, v_ptr, tables + b * max_blocks,
-                                         lengths[b], heads, kv_heads, block_size, scale,
-                                         out_ptr + b * heads * head_dim, scores, work);
+      decode_window<scalar_t, cache_t>(head_dim, q_ptr + b * q_stride, k_ptr, v_ptr, tables + b * max_blocks,
+                                       lengths[b], heads, kv_heads, block_size, scale, window, softcap,
+                                       out_ptr + b * heads * head_dim, scores, work);
     }
   });
 }
@@ -399,8 +419,11 @@ void decode_batch(const torch::Tensor& q, const torch::Tensor& k_pool, const tor
 // q: [batch, heads, head_dim], each row's heads contiguous (rows may be strided: the q part of a
 // fused qkv output is read in place); k_pool, v_pool: [blocks, block_size, kv_heads, head_dim];
 // block_tables: [batch, max_blocks] int64; context_lens: [batch] int64. Returns [batch, heads, head_dim].
+// window > 0: each row attends to its last `window` tokens only (a sliding-window layer); softcap > 0:
+// scores are soft-capped (softcap * tanh(score / softcap)) before the softmax.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "bad shapes");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "the KV pool must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
@@ -413,21 +436,22 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   TORCH_CHECK(k_pool.size(3) == roseinfer::pool_row_elements(q8_0, head_dim) && heads % kv_heads == 0,
               "head counts or sizes do not match");
   auto out = torch::empty({q.size(0), heads, head_dim}, q.options());
-  const float scale_f = static_cast<float>(scale);
+  const float scale_f = static_cast<float>(scale), softcap_f = static_cast<float>(softcap);
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
   if (q8_0) {
     TORCH_CHECK(v_pool.scalar_type() == torch::kChar, "keys and values must share a dtype");
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-      decode_batch<scalar_t, int8_t>(q, k_pool, v_pool, block_tables, context_lens, scale_f, out);
+      decode_batch<scalar_t, int8_t>(q, k_pool, v_pool, block_tables, context_lens, scale_f, window, softcap_f, out);
     });
   } else if (k_pool.scalar_type() == q.scalar_type()) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-      decode_batch<scalar_t, scalar_t>(q, k_pool, v_pool, block_tables, context_lens, scale_f, out);
+      decode_batch<scalar_t, scalar_t>(q, k_pool, v_pool, block_tables, context_lens, scale_f, window, softcap_f, out);
     });
   } else {  // a float32 model over a 16-bit cache (--kv-cache-dtype)
     TORCH_CHECK(q.scalar_type() == torch::kFloat && v_pool.scalar_type() == k_pool.scalar_type(),
                 "a KV pool of another dtype than q: q must be float32");
     AT_DISPATCH_REDUCED_FLOATING_TYPES(k_pool.scalar_type(), "paged_decode_attention", [&] {
-      decode_batch<float, scalar_t>(q, k_pool, v_pool, block_tables, context_lens, scale_f, out);
+      decode_batch<float, scalar_t>(q, k_pool, v_pool, block_tables, context_lens, scale_f, window, softcap_f, out);
     });
   }
   return out;

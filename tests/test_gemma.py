@@ -1,0 +1,238 @@
+"""Gemma 2 / Gemma 3 (text) and sliding-window attention against transformers (float32, eager
+attention: the reference that applies Gemma 2's soft-cap).
+
+Tiny random models built by transformers' own classes, with a sliding window (12) shorter than
+some prompts, saved as Hugging Face directories and converted to GGUF by llama.cpp's converter
+(tests/hf_to_gguf.py). Logits of prefill (whole and chunked) and decode steps within float32
+tolerance, greedy tokens identical for 32 tokens, through both the C++ decode kernel and the
+PyTorch path; prefix caching and preemption on Gemma; Mistral and Qwen2 sliding windows past the
+window.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from hf_to_gguf import convert_hf_to_gguf, llama_cpp_chat_template, write_default_tokenizer
+from support import CORPUS, compare_logits_step_by_step
+
+from roseinfer import LLM
+from roseinfer.sampling_params import SamplingParams
+from roseinfer.tokenizer import Tokenizer
+
+TOLERANCE = 1e-3
+WINDOW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (5, 11, 40)]
+
+
+def _sentencepiece_model(path: Path) -> None:
+    """llama.cpp's Gemma 2 converter reads the vocabulary from a sentencepiece tokenizer.model (the
+    model's ids are what is compared, not its text): one trained on the test corpus."""
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS), model_writer=model, vocab_size=400, model_type="bpe",
+        byte_fallback=True, minloglevel=2,
+    )
+    path.write_bytes(model.getvalue())
+
+
+def _build(kind: str, path: Path) -> None:
+    vocab = write_default_tokenizer(path)
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, max_position_embeddings=512, sliding_window=WINDOW, eos_token_id=2, bos_token_id=1,
+        pad_token_id=0,
+    )
+    if kind == "gemma2":  # global and local layers alternate; both soft-caps on
+        config = transformers.Gemma2Config(
+            num_hidden_layers=3, query_pre_attn_scalar=32, attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0, **common,
+        )
+        _sentencepiece_model(path / "tokenizer.model")
+    elif kind == "gemma3":  # llama.cpp's pattern: five local layers, then a global one
+        config = transformers.Gemma3TextConfig(
+            num_hidden_layers=6, query_pre_attn_scalar=32,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            **common,
+        )
+    elif kind == "gemma3-hf":  # Hugging Face only: own layer pattern and query scale
+        config = transformers.Gemma3TextConfig(
+            num_hidden_layers=3, query_pre_attn_scalar=48, final_logit_softcapping=4.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], **common,
+        )
+    elif kind == "mistral":
+        config = transformers.MistralConfig(num_hidden_layers=2, **common)
+    elif kind == "qwen2":  # layer 0 global, layer 1 sliding
+        config = transformers.Qwen2Config(
+            num_hidden_layers=2, use_sliding_window=True, max_window_layers=1,
+            **{k: v for k, v in common.items() if k != "head_dim"},
+        )
+    else:
+        raise ValueError(kind)
+    config.initializer_range = 0.1
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for name, parameter in model.named_parameters():  # Gemma initialises its norms to 0 (scale 1)
+        if name.endswith("norm.weight"):
+            torch.nn.init.normal_(parameter, 0.0, 0.3)
+    model.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gemma")
+    paths = {}
+    for kind in ("gemma2", "gemma3", "gemma3-hf", "mistral", "qwen2"):
+        _build(kind, root / kind)
+        paths[kind] = root / kind
+    for kind in ("gemma2", "gemma3"):
+        paths[f"{kind}.gguf"] = convert_hf_to_gguf(root / kind, root / f"{kind}.gguf")
+    return paths
+
+
+def _reference(path: Path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+@torch.no_grad()
+def _greedy_reference(reference, prompts: list[list[int]]) -> list[list[int]]:
+    """32 greedy tokens each, end-of-sequence ignored (as GREEDY's ignore_eos)."""
+    reference.generation_config.eos_token_id = None
+    outputs = []
+    for prompt in prompts:
+        ids = reference.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0)
+        assert ids.shape[1] == len(prompt) + 32
+        outputs.append(ids[0, len(prompt):].tolist())
+    return outputs
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+@pytest.mark.parametrize(
+    ("kind", "source"),
+    [("gemma2", "hf"), ("gemma2", "gguf"), ("gemma3", "hf"), ("gemma3", "gguf"), ("gemma3-hf", "hf"),
+     ("mistral", "hf"), ("qwen2", "hf")],
+)
+def test_logits_and_greedy_tokens_match_transformers(models, kind, source):
+    reference = _reference(models[kind])
+    prompts = _prompts(reference.config.vocab_size)
+    model = str(models[f"{kind}.gguf"] if source == "gguf" else models[kind])
+    # Gemma's sentencepiece vocabulary in GGUF files is refused by name (tokenizer.py): such files
+    # take the Hugging Face tokenizer directory. (The gemma3 file here has the BPE of the directory.)
+    extra = {"tokenizer": str(models[kind])} if source == "gguf" and kind == "gemma2" else {}
+    # A small token budget: the 40-token prompt is prefilled in chunks past the window.
+    llm = LLM(model, num_kv_blocks=64, max_num_batched_tokens=16, quantization="none", **extra)
+    config = llm.engine.model_config
+    assert config.sliding_window == WINDOW and config.context_length == 512
+    worst = compare_logits_step_by_step(llm.engine, reference, prompts, 2)
+    assert worst < TOLERANCE, f"{kind} ({source}): max |logit difference| {worst}"
+
+    expected = _greedy_reference(reference, prompts)
+    assert _greedy(llm, prompts) == expected, f"{kind} ({source}), C++ decode kernel"
+    if kind.startswith("gemma"):
+        assert llm.engine.runner.fused_decoder is None  # the Llama C++ step never runs Gemma
+    if source == "hf" and kind != "mistral":  # SDPA with the window's mask, Gemma 2's soft-capped math
+        torch_llm = LLM(model, num_kv_blocks=64, attention_backend="torch", quantization="none")
+        assert _greedy(torch_llm, prompts) == expected, f"{kind} ({source}), PyTorch attention"
+
+
+def test_gemma_config_from_both_files(models):
+    from roseinfer.models.gguf_file import GGUFFile
+    from roseinfer.models.gguf_loader import model_config_from_gguf
+    from roseinfer.models.hf_config import model_config_from_hf
+
+    for kind in ("gemma2", "gemma3"):
+        hf, gguf = model_config_from_hf(models[kind]), model_config_from_gguf(GGUFFile(models[f"{kind}.gguf"]))
+        for field in ("architecture", "layer_types", "sliding_window", "attn_logit_softcapping",
+                      "final_logit_softcapping", "query_pre_attn_scalar", "rope_theta", "rope_local_theta",
+                      "rope_scaling", "qk_norm", "num_layers", "head_dim"):
+            assert getattr(hf, field) == getattr(gguf, field), f"{kind}: {field}"
+    gemma2 = model_config_from_hf(models["gemma2"])
+    assert gemma2.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert gemma2.attn_logit_softcapping == 5.0 and gemma2.final_logit_softcapping == 3.0
+
+
+def test_prefix_caching_and_preemption_on_gemma(models):
+    """Prompts sharing a prefix longer than the window (cached blocks reused), in a pool too small
+    for all of them at once (preemption and recomputation): the same greedy tokens as transformers."""
+    reference = _reference(models["gemma3"])
+    prompts = _prompts(reference.config.vocab_size)
+    shared = prompts[2]
+    batch = [shared + [7, 8], shared + [9], shared + [30, 31, 32], prompts[1]]
+    expected = _greedy_reference(reference, batch)
+    llm = LLM(str(models["gemma3"]), num_kv_blocks=12, max_num_seqs=4, quantization="none")
+    first = _greedy(llm, [batch[0]])
+    assert first == expected[:1]
+    assert _greedy(llm, batch) == expected
+    engine = llm.engine
+    assert engine.kv_cache.prefix_stats.hits > 0, "the shared prefix was meant to be cached"
+    assert engine.scheduler.stats.num_preemptions > 0, "the pool was meant to be too small"
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    engine.kv_cache.check_invariants()
+
+
+def test_decode_kernel_window_and_softcap_match_pytorch():
+    """The C++ kernel's window and soft-cap against the plain math, over several block offsets."""
+    from roseinfer.layers.cpu_kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ kernels")
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block = 4, 2, 64, 16
+    pool = torch.randn(2, 20, block, kv_heads, dim)
+    tables = torch.randperm(20)[:10].view(2, 5)
+    lengths = torch.tensor([70, 33])
+    q = torch.randn(2, heads, dim)
+    for window, softcap in ((0, 0.0), (12, 0.0), (16, 2.0), (40, 0.0), (100, 1.5), (1, 0.0)):
+        out = kernels.paged_decode_attention(q, pool[0], pool[1], tables, lengths, 0.125, window, softcap)
+        for row in range(2):
+            n = int(lengths[row])
+            keys = pool[0][tables[row]].reshape(-1, kv_heads, dim)[:n].repeat_interleave(2, 1)
+            values = pool[1][tables[row]].reshape(-1, kv_heads, dim)[:n].repeat_interleave(2, 1)
+            scores = torch.einsum("hd,thd->ht", q[row], keys) * 0.125
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            if window:
+                scores[:, : max(0, n - window)] = float("-inf")
+            expected = torch.einsum("ht,thd->hd", scores.softmax(-1), values)
+            assert torch.allclose(out[row], expected, atol=1e-5), (window, softcap, row)
+
+
+
+def test_gemma_chat_template_renders_as_transformers(smollm_tokenizer, smollm_hf_tokenizer):
+    """Gemma 2's own template (from llama.cpp's collection): turns as <start_of_turn>user/model,
+    trimmed contents, alternating roles enforced, no system role."""
+    template = llama_cpp_chat_template("google-gemma-2-2b-it")
+    tokenizer = Tokenizer(smollm_tokenizer.backend, chat_template=template, bos_token=smollm_tokenizer.bos_token,
+                          eos_token=smollm_tokenizer.eos_token)
+    conversations = [
+        [{"role": "user", "content": "What is 2+2? "}],
+        [{"role": "user", "content": "Hi! Café? 漢字"}, {"role": "assistant", "content": " Hello.\nHow can I help?"},
+         {"role": "user", "content": "A joke."}],
+    ]
+    for messages in conversations:
+        for add_generation_prompt in (True, False):
+            expected = smollm_hf_tokenizer.apply_chat_template(
+                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            )
+            assert tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+    with pytest.raises(ValueError, match="System role not supported"):
+        tokenizer.apply_chat_template([{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"}])
