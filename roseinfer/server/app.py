@@ -1,7 +1,9 @@
 """The HTTP server: FastAPI routes, OpenAI-style errors, API keys, and `roseinfer serve`.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /generate (the seed's), GET /metrics (Prometheus), GET /get_load (for load balancers). With an
+POST /generate (the seed's), GET /metrics (Prometheus), GET /get_load (for load balancers); other
+API families in modules of their own (anthropic_api: POST /v1/messages[/count_tokens];
+tokenize_api: POST /tokenize, /detokenize). With an
 API key every route but the chat page, /health and /metrics needs it (those two too with
 `protect_metrics`).
 """
@@ -252,4 +254,10 @@ def create_app(
         app.add_middleware(ApiKeyGuard, api_key=api_key, open_paths=open_paths, open_prefixes=OPEN_PREFIXES,
                            respond=lambda status, message: error_response(status, message, code="invalid_api_key"))
     app.add_middleware(ErrorGuard, respond=error_response)  # added last: the outermost
+    # API families of their own modules. Anthropic's last: its error shaping must wrap all the above.
+    from roseinfer.server.anthropic_api import register_anthropic_api
+    from roseinfer.server.tokenize_api import register_tokenize_api
+
+    register_tokenize_api(app, serving, check_model)
+    register_anthropic_api(app, serving, check_model)
     return app
