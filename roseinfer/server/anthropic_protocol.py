@@ -234,7 +234,7 @@ class CountTokensRequest(AnthropicRequestModel):
 
     UNSUPPORTED: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
 
-    @field_validator("messages", "tools", "system", mode="before", check_fields=False)
+    @field_validator("messages", "tools", "system", "output_config", mode="before")
     @classmethod
     def _not_nested_too_deep(cls, value: Any) -> Any:
         if nesting_depth_exceeds(value, MAX_NESTING_DEPTH):
