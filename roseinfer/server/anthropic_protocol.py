@@ -108,7 +108,8 @@ class ToolResultBlock(AnthropicRequestModel):
         return _blocks(_TEXT_BLOCKS, content)
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(block.text for block in self.content)
+        # Blocks are joined by lines, as the chat route joins a message's text parts.
+        return self.content if isinstance(self.content, str) else "\n".join(block.text for block in self.content)
 
 
 class ThinkingBlock(AnthropicRequestModel):
@@ -265,7 +266,7 @@ class CountTokensRequest(AnthropicRequestModel):
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):
             return self.system
-        return "".join(block.text for block in self.system)
+        return "\n".join(block.text for block in self.system)  # as the chat route joins text parts
 
 
 class MessagesRequest(CountTokensRequest):
