@@ -149,6 +149,21 @@ class InputProcessor:
 
     def prompt_token_ids(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(prompt text or None, checked token ids)."""
+        text, ids = self.tokenize(prompt, add_special_tokens)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if len(ids) > self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens, more than the model's context "
+                f"(max_model_len {self.max_model_len})",
+                "messages" if isinstance(prompt, ChatPrompt) else "prompt",
+            )
+        return text, ids
+
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) with the checks that bound the work (the prompt's
+        characters, token ids in the vocabulary) but not the context rule: what /tokenize and
+        count_tokens report, a prompt longer than the context included."""
         if isinstance(prompt, ChatPrompt):
             rendered = self._render_chat(prompt)
             text = self._check_prompt_chars(rendered.text, "messages")
@@ -166,14 +181,6 @@ class InputProcessor:
                 )
         else:
             raise InvalidRequestError("a prompt (text, token ids or chat messages) is required", "prompt")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if len(ids) > self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt has {len(ids)} tokens, more than the model's context "
-                f"(max_model_len {self.max_model_len})",
-                "messages" if isinstance(prompt, ChatPrompt) else "prompt",
-            )
         return text, ids
 
     def _check_prompt_chars(self, text: str, param: str) -> str:

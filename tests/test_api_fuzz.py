@@ -9,6 +9,7 @@ repeatability, and every request's generation kept to a few tokens before it is 
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterator
 
@@ -30,7 +31,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance]
 # The fields that bound each route's generation (a missing or null one means long: the context).
 LENGTH_FIELDS = {"/v1/completions": ("max_tokens",), "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
-                 "/generate": ("max_new_tokens",)}
+                 "/generate": ("max_new_tokens",), "/v1/messages": ("max_tokens",)}
 
 
 CASES: Counter[str] = Counter()  # requests sent per route, printed at the end (pytest -s)
@@ -51,6 +52,8 @@ def api_schema(fuzz_server: ServerProcess):
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")
+if os.environ.get("FUZZ_PATH_REGEX"):  # e.g. "^/v1/messages|tokenize": fuzz only the routes it matches
+    schema = schema.include(path_regex=os.environ["FUZZ_PATH_REGEX"])
 
 
 @pytest.fixture(autouse=True)

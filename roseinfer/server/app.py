@@ -1,7 +1,9 @@
 """The HTTP server: FastAPI routes, OpenAI-style errors, API keys, and `roseinfer serve`.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /generate (the seed's), GET /metrics (Prometheus), GET /get_load (for load balancers). With an
+POST /generate (the seed's), GET /metrics (Prometheus), GET /get_load (for load balancers); other
+API families in modules of their own (anthropic_api: POST /v1/messages[/count_tokens];
+tokenize_api: POST /tokenize, /detokenize). With an
 API key every route but the chat page, /health and /metrics needs it (those two too with
 `protect_metrics`).
 """
@@ -258,4 +260,10 @@ def create_app(
     if allowed_hosts is not None:  # before the key: a rebinding page has no key, but say why
         app.add_middleware(HostGuard, allowed=allowed_hosts, respond=error_response)
     app.add_middleware(ErrorGuard, respond=error_response)  # added last: the outermost
+    # API families of their own modules. Anthropic's last: its error shaping must wrap all the above.
+    from roseinfer.server.anthropic_api import register_anthropic_api
+    from roseinfer.server.tokenize_api import register_tokenize_api
+
+    register_tokenize_api(app, serving, check_model)
+    register_anthropic_api(app, serving, check_model)
     return app

@@ -26,9 +26,10 @@ ErrorResponder = Callable[[int, str], Response]
 
 
 class ApiKeyGuard:
-    """`Authorization: Bearer <key>` on every HTTP route but the open ones (the chat page and its
-    files, and whatever `open_paths` lists), checked before the body is read. The key is compared
-    as UTF-8 bytes in constant time, so any key and any header value can be compared."""
+    """`Authorization: Bearer <key>` (or `x-api-key: <key>`, the header Anthropic's clients send)
+    on every HTTP route but the open ones (the chat page and its files, and whatever `open_paths`
+    lists), checked before the body is read. The key is compared as UTF-8 bytes in constant time,
+    so any key and any header value can be compared."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: set[str], open_prefixes: tuple[str, ...],
                  respond: ErrorResponder) -> None:
@@ -42,17 +43,22 @@ class ApiKeyGuard:
         if scope["type"] != "http" or self._is_open(scope["path"]) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        response = self.respond(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
+        response = self.respond(401, "invalid or missing API key: send 'Authorization: Bearer <key>' "
+                                     "(or 'x-api-key: <key>')")
         await response(scope, receive, send)
 
     def _is_open(self, path: str) -> bool:
         return path in self.open_paths or path.startswith(self.open_prefixes)
 
     def _authorized(self, scope: Scope) -> bool:
+        """Whether an Authorization header (Bearer) or an x-api-key header holds the key."""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key)
+                if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key):
+                    return True
+            elif name == b"x-api-key" and secrets.compare_digest(value.strip(), self.key):
+                return True
         return False
 
 

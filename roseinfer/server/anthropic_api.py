@@ -1,0 +1,156 @@
+"""The routes of Anthropic's Messages API: POST /v1/messages (whole or streamed) and POST
+/v1/messages/count_tokens, over the chat route's engine path (see anthropic_serving.py), with every
+error on them in Anthropic's shape: {"type": "error", "error": {"type", "message"}}.
+
+The API key is the server's --api-key, sent as `x-api-key` (Anthropic's header) or as
+`Authorization: Bearer` (see middleware.ApiKeyGuard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from roseinfer.errors import InvalidRequestError
+from roseinfer.server.anthropic_protocol import (
+    STREAM_EVENTS,
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    TokenCount,
+)
+from roseinfer.server.anthropic_serving import (
+    AnthropicServing,
+    anthropic_error_body,
+    chat_request,
+    guarded_events,
+    in_anthropic_terms,
+    prompt_of,
+)
+from roseinfer.server.app import _unless_disconnected
+from roseinfer.server.openapi import _ERRORS, _RETRY_AFTER, finish_document
+from roseinfer.server.serving import OpenAIServing
+
+PATH_PREFIX = "/v1/messages"
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` entries for these error statuses, in Anthropic's error shape."""
+    return {status: {"model": AnthropicErrorResponse, "description": _ERRORS[status]}
+            | ({"headers": _RETRY_AFTER} if status == 503 else {}) for status in statuses}
+
+
+def _streamed_message() -> dict[int | str, dict[str, Any]]:
+    """The 200 response: a Message, or with `stream: true` Anthropic's server-sent events (the
+    event-stream schema describes one event)."""
+    names = [event.model_fields["type"].default for event in STREAM_EVENTS]
+    event = {
+        "type": "object", "required": ["event", "data"],
+        "properties": {
+            "event": {"enum": names},
+            "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
+                {"$ref": f"#/components/schemas/{model.__name__}"} for model in STREAM_EVENTS]}},
+        },
+    }
+    description = ("The whole Message; with `stream: true`, server-sent events `event: <type>` / `data: <event>`: "
+                   "message_start, then per content block content_block_start, content_block_delta..., "
+                   "content_block_stop (a ping after the first start), then message_delta (stop_reason, "
+                   "usage) and message_stop; an `error` event if the request fails after the stream started.")
+    return {200: {"model": MessageResponse, "description": description,
+                  "content": {"text/event-stream": {"schema": event}}}}
+
+
+class AnthropicErrorShape:
+    """On the Messages routes, every error response (whoever answered it: the API key guard, the
+    body limit, a route's handler, the last-resort guard) is rewritten from the server's OpenAI
+    error object into Anthropic's, its type chosen by the status. Added outermost, so that it sees
+    them all; other responses pass through untouched."""
+
+    def __init__(self, app: ASGIApp, prefix: str) -> None:
+        self.app = app
+        self.prefix = prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+            await self.app(scope, receive, send)
+            return
+        start: Message | None = None
+        body = b""
+
+        async def reshaping_send(message: Message) -> None:
+            nonlocal start, body
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                start = message
+                return
+            if start is None or message["type"] != "http.response.body":
+                await send(message)
+                return
+            body += message.get("body", b"")
+            if message.get("more_body", False):
+                return
+            body = _reshaped(start["status"], body)
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, reshaping_send)
+
+
+def _reshaped(status: int, body: bytes) -> bytes:
+    """Anthropic's error object for the body of an error response (an empty or non-JSON body is
+    given a message saying what the status means)."""
+    message = None
+    try:
+        value = json.loads(body) if body else None
+    except ValueError:
+        value = None
+    if isinstance(value, dict) and isinstance(value.get("error"), dict):
+        message = value["error"].get("message")
+    elif isinstance(value, dict) and isinstance(value.get("detail"), str):
+        message = value["detail"]
+    if not isinstance(message, str):
+        message = body.decode(errors="replace") or f"HTTP {status}"
+    return json.dumps(anthropic_error_body(status, message), ensure_ascii=False).encode()
+
+
+def register_anthropic_api(app: FastAPI, serving: OpenAIServing, check_model: Callable[[str | None], None]) -> None:
+    """Add the Messages routes and their error shaping to the app (call it after the app's other
+    middleware is added, so that the shaping wraps them all)."""
+    anthropic = AnthropicServing(serving)
+    engine = serving.engine
+    router = APIRouter(tags=["Anthropic Messages"])
+    generation_errors = _errors(400, 401, 404, 408, 413, 500, 503)
+
+    @router.post(PATH_PREFIX, responses=_streamed_message() | generation_errors)
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        """Anthropic's Messages API (its official clients work against this server)."""
+        check_model(body.model)
+        try:
+            requests, tool_calling = serving.chat_requests(chat_request(body, serving.tool_call_parser))
+            submitted = await serving.submit(PATH_PREFIX, "msg", requests, 1, tool_calling)
+        except InvalidRequestError as exc:
+            raise in_anthropic_terms(exc) from exc
+        if body.stream:
+            return StreamingResponse(guarded_events(anthropic.message_stream(body, submitted)),
+                                     media_type="text/event-stream")
+        return await _unless_disconnected(request, anthropic.message(body, submitted))
+
+    @router.post(PATH_PREFIX + "/count_tokens", responses=_errors(400, 401, 404, 413))
+    async def count_tokens(body: CountTokensRequest) -> TokenCount:
+        """The prompt tokens a Messages request with these messages, system prompt and tools
+        would feed the model (its chat template applied)."""
+        check_model(body.model)
+        prompt = prompt_of(chat_request(body, serving.tool_call_parser), serving)
+        _, ids = await asyncio.get_running_loop().run_in_executor(None, engine.input_processor.tokenize, prompt)
+        return TokenCount(input_tokens=len(ids))
+
+    app.include_router(router)
+    finish_document(app, extra_models=STREAM_EVENTS)  # what only the stream sends
+    app.add_middleware(AnthropicErrorShape, prefix=PATH_PREFIX)
