@@ -1,7 +1,8 @@
 """The HTTP server: FastAPI routes, OpenAI-style errors, API keys, and `roseinfer serve`.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /generate (the seed's), GET /metrics (Prometheus), GET /get_load (for load balancers). With an
+POST /generate (the seed's), GET /metrics (Prometheus), GET /get_load (for load balancers); each
+further API family registers its own (Responses: server/responses_api.py). With an
 API key every route but the chat page, /health and /metrics needs it (those two too with
 `protect_metrics`).
 """
@@ -39,6 +40,7 @@ from roseinfer.server.protocol import (
     ModelCard,
     ModelList,
 )
+from roseinfer.server.response_store import ResponseStore
 from roseinfer.server.serving import OpenAIServing, guarded_sse, guarded_text
 
 logger = logging.getLogger("roseinfer.server")
@@ -116,6 +118,7 @@ def create_app(
     protect_metrics: bool = False,
     body_timeout: float | None = None,
     allowed_hosts: list[str] | None = None,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The app over a started AsyncLLM (whose engine core runs beside the event loop); `metrics`
     is the stat logger the engine feeds. `app.state.begin_shutdown(timeout)` starts a graceful
@@ -241,6 +244,10 @@ def create_app(
     }} | errors(401))
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    from roseinfer.server.responses_api import register_responses  # it imports this module
+
+    register_responses(app, serving, response_store or ResponseStore(), check_model)
 
     if enable_web_ui:  # the chat page at / (open to all; the page sends the API key itself)
         from roseinfer.server.web_ui import add_web_ui
