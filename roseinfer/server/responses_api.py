@@ -66,14 +66,12 @@ def _response_id() -> str:
 
 # -- input items -> chat messages -------------------------------------------------------------
 
-def chat_messages(items: str | list[Any], history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def chat_messages(items: list[Any], history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The chat messages `items` add to `history` (OpenAI's chat shapes, as the chat route's
     messages): a function_call joins the assistant message before it as a tool call, a
     function_call_output is a "tool" message, and a reasoning item becomes the next assistant
     message's `reasoning_content`."""
-    messages = list(history or [])
-    if isinstance(items, str):
-        return [*messages, {"role": "user", "content": items}]
+    messages = [dict(message) for message in history or []]  # the stored history is never changed
     known_calls = {call["id"] for m in messages for call in m.get("tool_calls", [])}
     reasoning: str | None = None
     for i, item in enumerate(items):
@@ -92,7 +90,7 @@ def chat_messages(items: str | list[Any], history: list[dict[str, Any]] | None =
                     "function": {"name": item.name, "arguments": item.arguments}}
             known_calls.add(item.call_id)
             if messages and messages[-1]["role"] == "assistant" and reasoning is None:
-                messages[-1].setdefault("tool_calls", []).append(call)
+                messages[-1]["tool_calls"] = [*messages[-1].get("tool_calls", []), call]
             else:
                 message = {"role": "assistant", "content": None, "tool_calls": [call]}
                 if reasoning is not None:

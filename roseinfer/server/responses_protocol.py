@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -191,11 +192,28 @@ def _unsupported_off(name: str, value: Any) -> bool:
     return value is None
 
 
+def _string_as_item(value: Any) -> Any:
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise ValueError("must be a string or a list of input items")
+    return value
+
+
+def _string_or_items(schema: dict[str, Any]) -> None:
+    items = dict(schema)
+    schema.clear()
+    schema["anyOf"] = [{"type": "string"}, items]
+
+
 class ResponsesRequest(StrictModel):
     model_config = ConfigDict(allow_inf_nan=False)
 
     model: str | None = None
-    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    # A string is one user message. Typed as the list alone (a string is turned into one before
+    # validation), so that a bad item is named by its own path, not by the union's members.
+    input: Annotated[list[InputItem], Field(min_length=1, json_schema_extra=_string_or_items),
+                     BeforeValidator(_string_as_item)]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
