@@ -247,7 +247,7 @@ def create_app(
 
     from roseinfer.server.responses_api import register_responses  # it imports this module
 
-    register_responses(app, serving, response_store or ResponseStore(), check_model)
+    register_responses(app, serving, response_store if response_store is not None else ResponseStore(), check_model)
 
     if enable_web_ui:  # the chat page at / (open to all; the page sends the API key itself)
         from roseinfer.server.web_ui import add_web_ui
