@@ -92,6 +92,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     connections.add_argument("--send-timeout", type=float, default=DEFAULT_SEND_TIMEOUT,
                              help="seconds a client may read nothing of a response before the connection is "
                                   f"closed and its request aborted; 0 for none (default {DEFAULT_SEND_TIMEOUT:g})")
+    from roseinfer.server import response_store
+
+    store = parser.add_argument_group("Responses API store (what store: true keeps for GET /v1/responses/{id} "
+                                      "and previous_response_id; in memory, oldest dropped first)")
+    store.add_argument("--responses-store-max-entries", type=int, default=response_store.DEFAULT_MAX_ENTRIES,
+                       help=f"most responses kept; 0 keeps none (default {response_store.DEFAULT_MAX_ENTRIES})")
+    store.add_argument("--responses-store-max-bytes", type=int, default=response_store.DEFAULT_MAX_BYTES,
+                       help="most bytes of JSON kept over all responses (default "
+                            f"{response_store.DEFAULT_MAX_BYTES})")
+    store.add_argument("--responses-store-ttl", type=float, default=response_store.DEFAULT_TTL_SECONDS,
+                       help=f"seconds a response is kept (default {response_store.DEFAULT_TTL_SECONDS:g})")
     from roseinfer.server.data_parallel import add_data_parallel_args
 
     add_data_parallel_args(parser)
@@ -202,6 +213,12 @@ def run_server(args: argparse.Namespace) -> int:
             raise RoseInferError(f"--{flag.replace('_', '-')} must be >= 0 (0: no limit), got {getattr(args, flag)}")
     api_key = resolve_api_key(args)
     hosts = allowed_hosts(args, api_key)
+    from roseinfer.server.response_store import ResponseStore
+
+    if args.responses_store_max_entries < 0 or args.responses_store_max_bytes < 0 or args.responses_store_ttl <= 0:
+        raise RoseInferError("--responses-store-max-entries and --responses-store-max-bytes must be >= 0, "
+                             "--responses-store-ttl > 0")
+    store = ResponseStore(args.responses_store_max_entries, args.responses_store_max_bytes, args.responses_store_ttl)
     config = EngineConfig.from_cli_args(args)
     config.served_model_name = args.served_model_name
     max_queue_len = args.max_queue_len or 2 * config.max_num_seqs
@@ -220,7 +237,7 @@ def run_server(args: argparse.Namespace) -> int:
     app = create_app(engine, metrics, args.served_model_name, api_key, enable_web_ui=not args.disable_web_ui,
                      tool_call_parser=args.tool_call_parser, max_body_bytes=args.max_request_body_bytes,
                      protect_metrics=args.protect_metrics, body_timeout=args.body_timeout or None,
-                     allowed_hosts=hosts)
+                     allowed_hosts=hosts, response_store=store)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH_SECONDS,

@@ -3,7 +3,7 @@
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
 POST /generate (the seed's), GET /metrics (Prometheus), GET /get_load (for load balancers); other
 API families in modules of their own (anthropic_api: POST /v1/messages[/count_tokens];
-tokenize_api: POST /tokenize, /detokenize). With an
+tokenize_api: POST /tokenize, /detokenize; responses_api: /v1/responses). With an
 API key every route but the chat page, /health and /metrics needs it (those two too with
 `protect_metrics`).
 """
@@ -41,6 +41,7 @@ from roseinfer.server.protocol import (
     ModelCard,
     ModelList,
 )
+from roseinfer.server.response_store import ResponseStore
 from roseinfer.server.serving import OpenAIServing, guarded_sse, guarded_text
 
 logger = logging.getLogger("roseinfer.server")
@@ -118,6 +119,7 @@ def create_app(
     protect_metrics: bool = False,
     body_timeout: float | None = None,
     allowed_hosts: list[str] | None = None,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The app over a started AsyncLLM (whose engine core runs beside the event loop); `metrics`
     is the stat logger the engine feeds. `app.state.begin_shutdown(timeout)` starts a graceful
@@ -260,10 +262,13 @@ def create_app(
     if allowed_hosts is not None:  # before the key: a rebinding page has no key, but say why
         app.add_middleware(HostGuard, allowed=allowed_hosts, respond=error_response)
     app.add_middleware(ErrorGuard, respond=error_response)  # added last: the outermost
-    # API families of their own modules. Anthropic's last: its error shaping must wrap all the above.
+    # API families of their own modules (imported here: they import this one). Anthropic's last:
+    # its error shaping must wrap all the above.
     from roseinfer.server.anthropic_api import register_anthropic_api
+    from roseinfer.server.responses_api import register_responses
     from roseinfer.server.tokenize_api import register_tokenize_api
 
+    register_responses(app, serving, response_store if response_store is not None else ResponseStore(), check_model)
     register_tokenize_api(app, serving, check_model)
     register_anthropic_api(app, serving, check_model)
     return app
