@@ -47,6 +47,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # PyTorch path: [num_decodes, 1, 1, max_blocks * block_size]
     decode_kernel: DecodeKernel | None = None  # (q, k_pool, v_pool, tables, lens, scale) -> out
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # LongRoPE models only: [num_tokens] bool, the tokens rotated with the long frequencies (a
+    # choice per sequence that positions alone do not give; see layers/rotary.long_rope).
+    long_rope: torch.Tensor | None = None
 
 
 def causal_mask_with_prefix(num_cached: int, query_len: int, device: torch.device) -> torch.Tensor:

@@ -52,7 +52,9 @@ def fused_decoder_for(
         or get_tp_group().size > 1  # the C++ step has no all-reduce between its layers
         or device.type != "cpu"
         or dtype not in (torch.float32, torch.bfloat16)
-        or config.architecture != "llama"
+        # Phi-3 is the Llama decoder once loaded (models/phi3.py); its rotary (partial, LongRoPE)
+        # is in the rotations computed here, which the C++ step applies as the model does.
+        or config.architecture not in ("llama", "phi3")
         or config.hidden_act != "silu"
         or not all(_callable(m, dtype) for m in model.modules() if _is_projection(m))
     ):
@@ -84,9 +86,10 @@ class FusedDecoder:
         self.rotary = rotary
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                block_tables: torch.Tensor, context_lens: torch.Tensor, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """One decode step for every row: logits [rows, vocabulary]."""
-        rotations = torch.view_as_real(self.rotary.rotations(positions))
+                block_tables: torch.Tensor, context_lens: torch.Tensor, kv_caches: list[torch.Tensor],
+                long_rope: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step for every row: logits [rows, vocabulary] (`long_rope`: see AttentionMetadata)."""
+        rotations = torch.view_as_real(self.rotary.rotations(positions, long_rope))
         embedded = self.embedding(token_ids)
         return self.decoder.forward(embedded, rotations, slot_mapping, block_tables, context_lens, kv_caches)
 
