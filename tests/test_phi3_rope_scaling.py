@@ -140,6 +140,37 @@ def test_configs_read_yarn(qwen_yarn):
         assert config.long_rope_from is None
 
 
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 16.0, "beta_slow": 2.0},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0.5},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "attention_factor": 1.3,
+     "truncate": False},
+    {"rope_type": "longrope", "original_max_position_embeddings": 32, "short_factor": SHORT_FACTOR,
+     "long_factor": LONG_FACTOR, "partial_rotary_factor": 0.75},
+    {"rope_type": "longrope", "original_max_position_embeddings": 32, "short_factor": SHORT_FACTOR,
+     "long_factor": LONG_FACTOR, "partial_rotary_factor": 0.75, "attention_factor": 1.1},
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+], ids=["yarn", "yarn-mscale", "yarn-attention-factor", "longrope", "longrope-factor",
+        "linear", "llama3"])
+def test_frequencies_equal_transformers(scaling):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from roseinfer.layers.rotary import rope_frequencies
+
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=128,
+                                      rope_parameters={"rope_theta": 10000.0, **scaling})
+    rotary_dim = int(16 * scaling.get("partial_rotary_factor", 1.0))
+    ours = rope_frequencies(rotary_dim, 10000.0, dict(scaling), 128)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
+    assert torch.equal(ours.inv_freq, inv_freq)
+    assert ours.attention_factor == pytest.approx(attention_factor, rel=1e-12)
+    if scaling["rope_type"] == "longrope":
+        long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=ORIGINAL + 1)
+        assert torch.equal(ours.long_inv_freq, long_inv_freq) and ours.long_from == ORIGINAL
+
+
 # -- tokens and logits against transformers ------------------------------------------------------
 
 
