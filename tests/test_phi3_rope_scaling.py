@@ -65,6 +65,7 @@ def phi(tmp_path_factory):
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=ORIGINAL,
         partial_rotary_factor=0.75, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        initializer_range=0.2,  # larger weights than the default: tokens that vary (else one token repeats)
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                          "short_factor": SHORT_FACTOR, "long_factor": LONG_FACTOR},
     )
@@ -79,6 +80,7 @@ def qwen_yarn(tmp_path_factory):
     config = transformers.Qwen3Config(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
+        initializer_range=0.2,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": ORIGINAL, "beta_fast": 16.0, "beta_slow": 2.0},
     )
@@ -172,6 +174,19 @@ def test_frequencies_equal_transformers(scaling):
 
 
 # -- tokens and logits against transformers ------------------------------------------------------
+
+
+def test_the_prompts_tell_the_factors_apart(phi, phi_expected):
+    """The comparisons below can fail: with the long factors replaced by the short ones (the same
+    weights), transformers' own tokens change for the prompts that reach past the original context."""
+    model = phi[0]
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.rope_parameters = {**config.rope_parameters, "long_factor": SHORT_FACTOR}
+    short_only = transformers.Phi3ForCausalLM(config).eval()
+    short_only.load_state_dict(model.state_dict())
+    changed = [hf_greedy(short_only, list(p), NEW_TOKENS) != tokens for p, tokens in phi_expected.items()]
+    assert any(changed), "no prompt depends on the long factors"
+    assert len({t for tokens in phi_expected.values() for t in tokens}) > 8  # not one token repeated
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])

@@ -35,7 +35,7 @@ def rope_inverse_frequencies(
     # Explicitly on the CPU: models are instantiated under a meta-device context.
     steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")
     inv_freq = 1.0 / (theta ** (steps / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = rope_scaling_type(scaling)
     if kind == "default":
         return inv_freq
     if kind == "freq_factors":  # GGUF files of Llama 3.1+ carry per-frequency divisors
