@@ -193,11 +193,23 @@ def test_the_prompts_tell_the_factors_apart(phi, phi_expected):
 def test_phi3_greedy_tokens_match_transformers(phi, phi_expected, source):
     _, hf_dir, gguf_path = phi
     llm = LLM(str(hf_dir if source == "hf" else gguf_path), num_kv_blocks=128, **EXACT)
-    runner = llm.engine.runner
-    if cpu_kernels() is not None:  # decode steps then run in the C++ step: it computes Phi's rotary too
-        assert runner.fused_decoder is not None
     got = engine_tokens(llm, [list(p) for p in phi_expected])
     assert got == list(phi_expected.values())
+
+
+@pytest.mark.parametrize("which", ["phi", "qwen_yarn"])
+def test_fused_decode_step_computes_the_scaled_rotary(request, which):
+    """The C++ decode step takes the rotations the model computes (partial rotary, YaRN's and
+    LongRoPE's attention factor, the long factors per sequence): its logits equal the op-by-op
+    forward's, for a prompt whose decode steps cross the original context and one past it."""
+    if cpu_kernels() is None:
+        pytest.skip("no C++ kernels")
+    from test_fused_decode import decode_logits_both_ways, quantizes_activations
+
+    hf_dir = request.getfixturevalue(which)[1]
+    engine = InferenceEngine(str(hf_dir), num_kv_blocks=64, quantization="int8")  # blocks: the C++ step applies
+    worst, worst_kl = decode_logits_both_ways(engine, [[5, 9, 30], list(range(40, 68)), list(range(3, 43))], steps=6)
+    assert worst_kl < 1e-3 if quantizes_activations() else worst < 1e-4, (worst, worst_kl)
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
