@@ -74,6 +74,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     rope_local_theta: float | None = None
     norm_weight_offset: float = 0.0
+    rotary_dim: int | None = None  # partial rotary (Phi-4-mini): the first dimensions of each head; None: all
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
     # The dtype a Hugging Face checkpoint's weights are stored in ("bfloat16", "float32", ...), which
@@ -91,6 +92,16 @@ class ModelConfig:
         element = torch.tensor([], dtype=dtype).element_size()
         heads = -(-self.num_kv_heads // tensor_parallel_size)
         return 2 * self.num_layers * block_size * heads * self.kv_row_elements(dtype) * element
+
+    @property
+    def long_rope_from(self) -> int | None:
+        """LongRoPE: the original context, past which a sequence takes the long frequencies (see
+        layers/rotary.long_rope); None for every other rotary embedding."""
+        from roseinfer.layers.rotary import rope_scaling_type
+
+        if rope_scaling_type(self.rope_scaling) != "longrope":
+            return None
+        return int(self.rope_scaling.get("original_max_position_embeddings") or self.max_position_embeddings)
 
     @property
     def context_length(self) -> int:

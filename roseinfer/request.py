@@ -61,6 +61,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.fork_of = fork_of
         self.cache_salt = cache_salt  # the prefix cache shares blocks only within one salt
+        # Set by the engine core where the model computes this request's keys differently from
+        # another's with the same tokens (LongRoPE past the original context): its own prefix cache.
+        self.kv_variant: str | None = None
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0

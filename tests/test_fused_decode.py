@@ -34,7 +34,7 @@ def decode_logits_both_ways(engine: InferenceEngine, prompts: list[list[int]], s
             inputs = runner.prepare_inputs(type(step)(num_scheduled_tokens=step.num_scheduled_tokens))
             meta = inputs.meta
             logits = fused.forward(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_block_tables,
-                                   meta.decode_context_lens, runner.kv_caches)
+                                   meta.decode_context_lens, runner.kv_caches, meta.long_rope)
             assert logits.dtype == reference.dtype and logits.shape == reference.shape
             logits, reference = logits.float(), reference.float()
             worst = max(worst, (logits - reference).abs().max().item())

@@ -49,6 +49,7 @@ class EngineCore:
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.structured_output_manager,
             config.speculative_config,
         )
+        self.long_rope_from = model_config.long_rope_from
         self.dead_reason: str | None = None  # set when the executor failed: no step can run again
         logger.debug("engine core ready in %.1fs", time.perf_counter() - started)
 
@@ -56,7 +57,12 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine cannot run requests: {self.dead_reason}")
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        core_request = Request.from_engine_core_request(request)
+        if self.long_rope_from is not None and core_request.num_prompt_tokens > self.long_rope_from:
+            # LongRoPE: the whole prompt is rotated with the long frequencies (layers/rotary.long_rope),
+            # so its blocks must not be shared with those of shorter prompts.
+            core_request.kv_variant = "long_rope"
+        self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """End these requests now and free their blocks; returns the ids that were still running."""

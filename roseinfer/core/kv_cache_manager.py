@@ -50,8 +50,12 @@ _TOKEN_BYTES = np.dtype("<i8")  # how a block's token ids enter its hash
 _UNSALTED_ROOT = bytes(32)
 
 
-def chain_root(cache_salt: str | None) -> BlockKey:
-    """The key a request's first block is chained to: its salt's, so salts never share blocks."""
+def chain_root(cache_salt: str | None, variant: str | None = None) -> BlockKey:
+    """The key a request's first block is chained to: its salt's, so salts never share blocks. A
+    `variant` (keys the model computes differently for the same tokens: LongRoPE's long
+    frequencies, see Request.kv_variant) has a root of its own that no salt can reach."""
+    if variant is not None:
+        return hashlib.sha256(b"variant\0" + variant.encode() + b"\0" + chain_root(cache_salt)).digest()
     if cache_salt is None:
         return _UNSALTED_ROOT
     return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()
@@ -185,7 +189,8 @@ class KVCacheManager:
 
     # -- prefix cache ---------------------------------------------------------------------
     def _chain(
-        self, token_ids: Sequence[int], keys: list[BlockKey], num_full_blocks: int, cache_salt: str | None
+        self, token_ids: Sequence[int], keys: list[BlockKey], num_full_blocks: int, cache_salt: str | None,
+        variant: str | None = None,
     ) -> list[BlockKey]:
         """Extend `keys` (the first blocks' keys) to cover `num_full_blocks` blocks: one digest a
         block, over the token bytes converted once for all of them."""
@@ -195,13 +200,15 @@ class KVCacheManager:
         size = self.block_size
         data = np.asarray(token_ids[first * size : num_full_blocks * size], dtype=_TOKEN_BYTES).tobytes()
         step = size * _TOKEN_BYTES.itemsize
-        parent = keys[-1] if keys else chain_root(cache_salt)
+        parent = keys[-1] if keys else chain_root(cache_salt, variant)
         for offset in range(0, len(data), step):
             parent = hashlib.sha256(parent + data[offset : offset + step]).digest()
             keys.append(parent)
         return keys
 
-    def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, variant: str | None = None
+    ) -> list[int]:
         """The cached blocks that hold the longest computed prefix of `token_ids`, among those
         registered under the same `cache_salt`.
 
@@ -212,7 +219,7 @@ class KVCacheManager:
             return []
         usable = (len(token_ids) - 1) // self.block_size
         blocks: list[int] = []
-        for key in self._chain(token_ids, [], usable, cache_salt):
+        for key in self._chain(token_ids, [], usable, cache_salt, variant):
             block = self.pool.cached.get(key)
             if block is None:
                 break
@@ -225,7 +232,8 @@ class KVCacheManager:
         self.prefix_stats.hits += num_cached_tokens
 
     def cache_computed_blocks(
-        self, request_id: int, token_ids: Sequence[int], num_computed: int, cache_salt: str | None = None
+        self, request_id: int, token_ids: Sequence[int], num_computed: int, cache_salt: str | None = None,
+        variant: str | None = None,
     ) -> None:
         """Register the request's blocks that became full and computed (call after each step),
         under its `cache_salt`."""
@@ -237,7 +245,7 @@ class KVCacheManager:
         keys = self._keys.setdefault(request_id, [])
         num_full = min(num_computed // self.block_size, len(table))
         first_new = len(keys)
-        for index, key in enumerate(self._chain(token_ids, keys, num_full, cache_salt)[first_new:], first_new):
+        for index, key in enumerate(self._chain(token_ids, keys, num_full, cache_salt, variant)[first_new:], first_new):
             self.pool.register(table[index], key)
 
     # -- allocation -----------------------------------------------------------------------

@@ -165,7 +165,7 @@ class Scheduler:
                     request.request_id, [], finish_reason="error", error=request.grammar_error
                 ))
                 continue
-            cached = self.kv_cache.find_cached_prefix(request.token_ids, request.cache_salt)
+            cached = self.kv_cache.find_cached_prefix(request.token_ids, request.cache_salt, request.kv_variant)
             num_cached = len(cached) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(request.request_id, num_cached, num_new, cached):
@@ -314,7 +314,9 @@ class Scheduler:
                 logprobs = runner_output.logprobs[row] if runner_output.logprobs is not None else None
                 output, status = self._append_samples(request, new_tokens, logprobs)
             computed = min(request.num_computed_tokens, request.num_tokens)  # a stop drops later drafts
-            self.kv_cache.cache_computed_blocks(req_id, request.token_ids, computed, request.cache_salt)
+            self.kv_cache.cache_computed_blocks(
+                req_id, request.token_ids, computed, request.cache_salt, request.kv_variant
+            )
             if req_id in self._awaiting_fork and request.num_computed_tokens >= request.num_prompt_tokens:
                 self._fork_siblings(request)
             if status is not None:

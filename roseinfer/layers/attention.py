@@ -55,6 +55,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # PyTorch path: [num_decodes, 1, 1, max_blocks * block_size]
     decode_kernel: DecodeKernel | None = None  # (q, k_pool, v_pool, tables, lens, scale, window, softcap) -> out
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # LongRoPE models only: [num_tokens] bool, the tokens rotated with the long frequencies (a
+    # choice per sequence that positions alone do not give; see layers/rotary.long_rope).
+    long_rope: torch.Tensor | None = None
     # PyTorch path: decode_mask narrowed to each sliding window, made by the first layer that needs it.
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 

@@ -21,6 +21,7 @@ from roseinfer.layers.cpu_kernels import cpu_kernels
 from roseinfer.layers.linear import BlockLinear, PanelLinear, PrepackedLinear
 from roseinfer.layers.rotary import RotaryEmbedding
 from roseinfer.models.llama import LlamaForCausalLM
+from roseinfer.models.phi3 import Phi3ForCausalLM
 
 # A linear layer as the C++ step takes it: (tensors, GGML types, bias, exact); see DecodeLinear in
 # layers/csrc/llama_decode_cpu.cpp.
@@ -50,10 +51,12 @@ def fused_decoder_for(
     kernels = cpu_kernels()
     windows = {config.layer_window(i) for i in range(config.num_layers)}
     if (
-        # Only the Llama family itself: Gemma (extra norms, GeGLU, soft-caps, two rotary bases) is
-        # a subclass of it that the C++ step does not compute, so it is refused by type too.
-        config.architecture != "llama"
-        or type(model) is not LlamaForCausalLM
+        # Only the Llama family itself and Phi-3 (the Llama decoder once loaded, models/phi3.py: its
+        # partial and LongRoPE rotary are in the rotations computed here, which the C++ step
+        # applies). Gemma (extra norms, GeGLU, soft-caps, two rotary bases) subclasses Llama too,
+        # but the C++ step does not compute it: refused by type as well.
+        config.architecture not in ("llama", "phi3")
+        or type(model) not in (LlamaForCausalLM, Phi3ForCausalLM)
         or len(windows) > 1  # the C++ step takes one sliding window for every layer
         or kernels is None
         or get_tp_group().size > 1  # the C++ step has no all-reduce between its layers
@@ -91,9 +94,10 @@ class FusedDecoder:
         self.rotary = rotary
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                block_tables: torch.Tensor, context_lens: torch.Tensor, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """One decode step for every row: logits [rows, vocabulary]."""
-        rotations = torch.view_as_real(self.rotary.rotations(positions))
+                block_tables: torch.Tensor, context_lens: torch.Tensor, kv_caches: list[torch.Tensor],
+                long_rope: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step for every row: logits [rows, vocabulary] (`long_rope`: see AttentionMetadata)."""
+        rotations = torch.view_as_real(self.rotary.rotations(positions, long_rope))
         embedded = self.embedding(token_ids)
         return self.decoder.forward(embedded, rotations, slot_mapping, block_tables, context_lens, kv_caches)
 

@@ -17,7 +17,9 @@ from roseinfer.config import ModelConfig
 from roseinfer.errors import ModelLoadError
 from roseinfer.layers.quantization import permute_rows
 from roseinfer.layers.quantization.gguf import BlockTensor
+from roseinfer.layers.rotary import unsupported_rope_scaling
 from roseinfer.models.gguf_file import GGUFFile
+from roseinfer.models.phi3 import PHI3_GGUF_NAMES
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # Gemma: arch -> the period of llama.cpp's layer pattern (every n-th layer global), which the
@@ -25,7 +27,8 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # queries llama.cpp scales by (hidden / heads) ** -0.5 (its query_pre_attn_scalar) instead of
 # head_dim ** -0.5.
 GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
-SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, *GEMMA, "gpt2")
+SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, *GEMMA, "gpt2", "phi3")
+_ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _PERMUTED_QK = ("llama", "mistral")
 
 _LLAMA_NAMES = {
@@ -124,22 +127,20 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         )
     if arch in GEMMA:
         return _gemma_config(gguf, arch, key, common)
-    scaling = None
-    if gguf.has_tensor("rope_freqs.weight"):
-        factors = gguf.load_tensor("rope_freqs.weight").tolist()
-        scaling = {"rope_type": "freq_factors", "factors": factors}
-    elif meta.get(f"{arch}.rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    rotary_dim = meta.get(f"{arch}.rope.dimension_count")
     return ModelConfig(
-        architecture="llama",
+        architecture="phi3" if arch == "phi3" else "llama",
         num_kv_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
+        head_dim=head_dim,
         norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
+        rope_scaling=_rope_scaling(gguf),
+        rotary_dim=int(rotary_dim) if rotary_dim is not None and int(rotary_dim) != head_dim else None,
         attention_bias=gguf.has_tensor("blk.0.attn_q.bias"),
         qk_norm=gguf.has_tensor("blk.0.attn_q_norm.weight"),
-        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+        # Phi-3's converter writes 0 for "none" (Phi-4).
+        sliding_window=meta.get(f"{arch}.attention.sliding_window") or None,
         **common,
     )
 
@@ -187,6 +188,44 @@ def _gemma_config(gguf: GGUFFile, arch: str, key, common: dict) -> ModelConfig:
     )
 
 
+def _rope_scaling(gguf: GGUFFile) -> dict | None:
+    """The rotary scaling in transformers' terms (see layers/rotary.py), from the GGUF keys and
+    tensors llama.cpp's converter writes; a kind we do not compute is an error naming it."""
+    meta, arch = gguf.metadata, gguf.architecture
+    kind = str(meta.get(f"{arch}.rope.scaling.type", "none")).lower()
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if gguf.has_tensor("rope_freqs.weight"):  # Llama 3.1+: the llama3 scaling, as divisors
+        return {"rope_type": "freq_factors", "factors": gguf.load_tensor("rope_freqs.weight").tolist()}
+    if gguf.has_tensor("rope_factors_long.weight"):  # Phi-3: LongRoPE (the type key is not written)
+        scaling = {
+            "rope_type": "longrope",
+            "long_factor": gguf.load_tensor("rope_factors_long.weight").tolist(),
+            "short_factor": gguf.load_tensor("rope_factors_short.weight").tolist(),
+            "original_max_position_embeddings": int(original or meta[f"{arch}.context_length"]),
+        }
+        if f"{arch}.rope.scaling.attn_factor" in meta:
+            scaling["attention_factor"] = float(meta[f"{arch}.rope.scaling.attn_factor"])
+        return scaling
+    if kind == "none":
+        return None
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        for unsupported, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)):
+            value = meta.get(f"{arch}.rope.scaling.{unsupported}")
+            if value is not None and float(value) != neutral:
+                raise ModelLoadError(f"{gguf.path}: YaRN with rope.scaling.{unsupported} = {value} is not supported")
+        scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+        # The converter writes these from the Hugging Face config when it sets them.
+        for gguf_key, hf_key in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                                 ("yarn_beta_slow", "beta_slow")):
+            if f"{arch}.rope.scaling.{gguf_key}" in meta:
+                scaling[hf_key] = float(meta[f"{arch}.rope.scaling.{gguf_key}"])
+        return scaling
+    raise ModelLoadError(f"{gguf.path}: {unsupported_rope_scaling(kind)}")
+
+
 def gguf_weights(
     gguf: GGUFFile, config: ModelConfig, expand: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
@@ -195,9 +234,11 @@ def gguf_weights(
     per_layer, global_names = (_GPT2_NAMES, _GPT2_GLOBAL) if arch == "gpt2" else (_LLAMA_NAMES, _LLAMA_GLOBAL)
     if arch in GEMMA:
         per_layer = _GEMMA_NAMES
+    elif arch == "phi3":
+        per_layer = PHI3_GGUF_NAMES
     layer_prefix = "transformer.h" if arch == "gpt2" else "model.layers"
     for name in gguf.tensor_names():
-        if name == "rope_freqs.weight":
+        if name in _ROPE_FACTOR_TENSORS:
             continue  # part of the rotary scaling in the config
         stem, _, suffix = name.rpartition(".")  # suffix: weight | bias
         parts = stem.split(".")

@@ -8,6 +8,7 @@ from typing import Any
 
 from roseinfer.config import ModelConfig
 from roseinfer.errors import ModelLoadError
+from roseinfer.layers.rotary import ROPE_SCALING_TYPES, rope_scaling_type, unsupported_rope_scaling
 
 # model_type -> (our architecture, attention biases, q/k norms)
 _LLAMA_FAMILY = {
@@ -15,6 +16,7 @@ _LLAMA_FAMILY = {
     "mistral": (False, False),
     "qwen2": (True, False),
     "qwen3": (False, True),
+    "phi3": (False, False),  # Phi-3, Phi-3.5, Phi-4-mini: fused checkpoint tensors (models/phi3.py)
 }
 
 
@@ -27,12 +29,28 @@ def _eos_ids(*values: Any) -> list[int]:
     return ids
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """rope_theta and scaling, from either the classic keys or transformers 5's rope_parameters."""
+def _rope(raw: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None, float]:
+    """rope_theta, scaling and partial_rotary_factor, from either the classic keys or transformers
+    5's rope_parameters."""
     params = raw.get("rope_parameters") or {}
     theta = float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
-    scaling = raw.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    return theta, scaling
+    partial = float(raw.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
+    scaling = raw.get("rope_scaling") or (params if rope_scaling_type(params) != "default" else None)
+    if scaling is not None:
+        kind = rope_scaling_type(scaling)
+        if raw.get("model_type") == "phi3" and kind == "yarn":
+            kind = "longrope"  # transformers reads Phi-3's old "yarn" configs as LongRoPE
+        if kind not in ROPE_SCALING_TYPES:
+            raise ModelLoadError(f"{path}: {unsupported_rope_scaling(kind)}")
+        scaling = {**scaling, "rope_type": kind}
+        # A top-level original_max_position_embeddings wins, as in transformers (Phi-3 keeps it
+        # there, with 4096 as its default).
+        original = raw.get("original_max_position_embeddings")
+        if original is None and raw.get("model_type") == "phi3":
+            original = 4096
+        if kind in ("llama3", "yarn", "longrope") and original is not None:
+            scaling["original_max_position_embeddings"] = original
+    return theta, scaling, partial
 
 
 def _stored_dtype(raw: dict[str, Any]) -> str | None:
@@ -57,7 +75,8 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
     if model_type in _LLAMA_FAMILY:
         default_bias, qk_norm = _LLAMA_FAMILY[model_type]
         heads = raw["num_attention_heads"]
-        theta, scaling = _rope(raw)
+        theta, scaling, partial_rotary = _rope(raw, path)
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         sliding = raw.get("sliding_window")
         layer_types = raw.get("layer_types")
         if model_type == "qwen2":
@@ -68,13 +87,13 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
                 layer_types = ["sliding_attention" if i >= first else "full_attention"
                                for i in range(raw["num_hidden_layers"])]
         return ModelConfig(
-            architecture="llama",
+            architecture="phi3" if model_type == "phi3" else "llama",
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             num_layers=raw["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            head_dim=head_dim,
             intermediate_size=raw["intermediate_size"],
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             norm_eps=raw.get("rms_norm_eps", 1e-6),
@@ -86,6 +105,7 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
             hidden_act=raw.get("hidden_act", "silu"),
             sliding_window=sliding,
             layer_types=layer_types if sliding else None,
+            rotary_dim=int(head_dim * partial_rotary) if partial_rotary != 1.0 else None,
             eos_token_ids=eos,
             name=name,
             checkpoint_dtype=_stored_dtype(raw),
@@ -147,7 +167,7 @@ def _gemma_config(raw: dict[str, Any], model_type: str, path: Path, eos: list[in
         if local_rope.get("rope_type", "default") != "default":
             raise ModelLoadError(f"{path}: rotary scaling of the sliding layers is not supported")
     else:
-        theta, scaling = _rope(raw)
+        theta, scaling, _ = _rope(raw, path)  # Gemma: no partial rotary
         local_theta = float(raw.get("rope_local_base_freq", theta)) if model_type == "gemma3_text" else theta
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads

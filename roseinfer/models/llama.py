@@ -24,7 +24,7 @@ from roseinfer.layers.rotary import (
     RotaryEmbedding,
     apply_rotary,
     interleave_rotary_rows,
-    rope_inverse_frequencies,
+    rope_frequencies,
 )
 from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
@@ -127,8 +127,10 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBackbone(config)
         self.vocab = self.model.embed_tokens.shard  # this rank's vocabulary rows
         self.lm_head = nn.Linear(config.hidden_size, self.vocab.rows, bias=False)
-        self.rotary = RotaryEmbedding(
-            rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        rotary_dim = config.rotary_dim or config.head_dim
+        self.rotary = RotaryEmbedding.from_frequencies(
+            rope_frequencies(rotary_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings),
+            config.head_dim,
         )
 
     def forward(
@@ -140,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of a flattened batch (no padding)."""
         hidden = self.model.embed_tokens(input_ids)
-        rotations = self.rotary.rotations(positions)
+        rotations = self.rotary.rotations(positions, meta.long_rope)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rotations, kv_cache, meta)
@@ -182,10 +184,13 @@ class LlamaForCausalLM(nn.Module):
                 continue
             parts = name.split(".")
             module = parts[-2] if len(parts) > 1 else ""
+            rotary_dim = self.config.rotary_dim
             if module in ("q_proj", "q_norm"):
-                tensor = interleave_rotary_rows(tensor, self.config.num_heads if module == "q_proj" else 1)
+                heads = self.config.num_heads if module == "q_proj" else 1
+                tensor = interleave_rotary_rows(tensor, heads, rotary_dim)
             elif module in ("k_proj", "k_norm"):
-                tensor = interleave_rotary_rows(tensor, self.config.num_kv_heads if module == "k_proj" else 1)
+                heads = self.config.num_kv_heads if module == "k_proj" else 1
+                tensor = interleave_rotary_rows(tensor, heads, rotary_dim)
             if module in tp_slices:
                 dim, start, size = tp_slices[module]
                 # A 1-D tensor here is a q/k/v bias (Qwen2): cut like its rows.

@@ -15,12 +15,14 @@ from roseinfer.layers.rotary import RotaryEmbedding
 from roseinfer.models.gemma import GemmaForCausalLM
 from roseinfer.models.gpt2 import GPT2LMHeadModel
 from roseinfer.models.llama import LlamaForCausalLM
+from roseinfer.models.phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "gpt2": GPT2LMHeadModel,
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
+    "phi3": Phi3ForCausalLM,
 }
 
 

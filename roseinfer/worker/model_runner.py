@@ -135,6 +135,7 @@ class ModelRunner:
         self.fused_decoder = (
             fused_decoder_for(model, model_config, self.dtype, self.device) if self.decode_kernel is not None else None
         )
+        self.long_rope_from = model_config.long_rope_from  # LongRoPE models: see prepare_inputs
         self.requests: dict[str, CachedRequestState] = {}
         self.fault_token_id = fault_token_from_env()  # tests only (see fault_injection.py)
 
@@ -157,7 +158,7 @@ class ModelRunner:
             # Every request decodes one token and samples it: the rows are the batch itself.
             logits = self.fused_decoder.forward(
                 inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_block_tables,
-                meta.decode_context_lens, self.kv_caches,
+                meta.decode_context_lens, self.kv_caches, meta.long_rope,
             )
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
@@ -214,6 +215,7 @@ class ModelRunner:
         prefills = [(state, n) for state, n in scheduled if n > 1]
         ids: list[int] = []
         positions: list[np.ndarray] = []
+        long_rope: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         logits_indices: list[int] = []
         sampling: list[CachedRequestState] = []
@@ -228,6 +230,8 @@ class ModelRunner:
             pos = np.arange(start, start + num_new, dtype=np.int64)
             table = np.asarray(state.block_ids, dtype=np.int64)
             positions.append(pos)
+            if self.long_rope_from is not None:  # as layers/rotary.long_rope decides
+                long_rope.append(np.maximum(pos + 1, state.num_prompt_tokens) > self.long_rope_from)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
             if end == len(state.token_ids):  # caught up: its last position gives the next token
                 # (and with drafts, each draft's position too: they are verified)
@@ -235,6 +239,8 @@ class ModelRunner:
                 sampling.append(state)
 
         meta = AttentionMetadata(slot_mapping=self._tensor(np.concatenate(slots)))
+        if long_rope:
+            meta.long_rope = self._tensor(np.concatenate(long_rope))
         if decodes:
             self._decode_metadata(meta, [state for state, _ in decodes])
         offset = len(decodes)
