@@ -21,12 +21,15 @@ keeps the PyTorch paths.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -112,23 +115,57 @@ def _remove_stale_build_lock(name: str) -> None:
         logger.info("waiting for the kernel build that holds %s (remove it if no build is running)", lock)
 
 
+# One compiler process needs up to ~1.5 GiB for these sources (the GGUF driver's templates).
+_GIB_PER_COMPILE_JOB = 2
+
+
+def _compile_jobs() -> int:
+    """Parallel compiles for the build: PyTorch's default (cores + 2) ran 4 compilers of ~1.5 GiB
+    on a 2-core machine, and several checkouts building at once exhausted its memory."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        available_kib = int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable")))
+    except (OSError, StopIteration, ValueError):
+        return 1
+    by_memory = available_kib // (_GIB_PER_COMPILE_JOB * 1024 * 1024)
+    return max(1, min(os.cpu_count() or 1, by_memory))
+
+
+@contextlib.contextmanager
+def _one_build_at_a_time(build_directory: Path) -> Iterator[None]:
+    """Builds of several checkouts or servers starting together wait for each other (a lock file in
+    the extensions directory): each build already uses every core it may, and together they ran the
+    machine out of memory. Loading an already-built module only takes the lock briefly."""
+    build_directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(build_directory.parent / "roseinfer-kernel-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        previous = os.environ.get("MAX_JOBS")
+        os.environ["MAX_JOBS"] = previous or str(_compile_jobs())  # read by PyTorch's ninja call
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop("MAX_JOBS", None)
+
+
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The compiled module (`paged_decode_attention`, `rms_norm`, `fused_add_rms_norm`, `gguf_linear`, ...), or None
     where it cannot be built."""
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
         name = f"roseinfer_cpu_kernels_{_cpu_fingerprint()}_{_source_fingerprint()}"
         _remove_stale_build_lock(name)
         started = time.perf_counter()
-        module = load(
-            name=name,
-            sources=[str(source) for source in _SOURCES],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with _one_build_at_a_time(Path(_get_build_directory(name, verbose=False))):
+            module = load(
+                name=name,
+                sources=[str(source) for source in _SOURCES],
+                extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no ninja, an unusual platform: keep the PyTorch path
         logger.warning("the C++ CPU kernels could not be built (%s); using PyTorch's", exc)
         return None
