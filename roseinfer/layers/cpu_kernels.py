@@ -135,7 +135,10 @@ def _compile_jobs() -> int:
 def _one_build_at_a_time(build_directory: Path) -> Iterator[None]:
     """Builds of several checkouts or servers starting together wait for each other (a lock file in
     the extensions directory): each build already uses every core it may, and together they ran the
-    machine out of memory. Loading an already-built module only takes the lock briefly."""
+    machine out of memory. A module already built loads without waiting for anyone's build."""
+    if (build_directory / f"{build_directory.name}.so").exists():
+        yield
+        return
     build_directory.parent.mkdir(parents=True, exist_ok=True)
     with open(build_directory.parent / "roseinfer-kernel-build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
