@@ -50,11 +50,11 @@ def tiny_tokenizer_json(path: Path) -> None:
     }))
 
 
-def tiny_hf_model(kind: str, path: Path, seed: int = 0) -> torch.nn.Module:
+def tiny_hf_model(kind: str, path: Path, seed: int = 0, max_positions: int = 512) -> torch.nn.Module:
     """Build a small random model of `kind` with transformers, save it with a tokenizer, return it."""
     import transformers
 
-    common = dict(vocab_size=TINY_VOCAB, max_position_embeddings=512, eos_token_id=0)
+    common = dict(vocab_size=TINY_VOCAB, max_position_embeddings=max_positions, eos_token_id=0)
     if kind == "llama":
         config = transformers.LlamaConfig(
             hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
@@ -224,7 +224,7 @@ def tiny_qwen3_thinking_model(path: Path, chat_template: str = QWEN3_CHAT_TEMPLA
     and `</think>` single added tokens) and Qwen3's chat template, with `<|im_end|>` its EOS."""
     from tokenizers import AddedToken
 
-    model = tiny_hf_model("qwen3", path, seed)
+    model = tiny_hf_model("qwen3", path, seed, max_positions=2048)  # room for a tools prompt
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in QWEN3_MARKUP_TOKENS])
     assert tokenizer.get_vocab_size(with_added_tokens=True) <= TINY_VOCAB

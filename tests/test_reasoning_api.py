@@ -19,13 +19,14 @@ import openai
 import pytest
 import transformers
 from live_server import ServerProcess
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from support import EXACT_FLAGS, QWEN3_THINKING_CHAT_TEMPLATE, tiny_qwen3_thinking_model
 
 MODEL = "tiny-qwen3-thinking"
 QUESTION = [{"role": "user", "content": "What is two plus two?"}]
 GREEDY = {"temperature": 0, "max_tokens": 12}
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "sure": {"type": "boolean"}},
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99},
+                                          "sure": {"type": "boolean"}},
           "required": ["answer", "sure"], "additionalProperties": False}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -35,7 +36,7 @@ WEATHER = {"type": "function", "function": {
 
 
 class Answer(BaseModel):
-    answer: int
+    answer: int = Field(ge=0, le=99)
     sure: bool
 
 
@@ -49,7 +50,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir) -> Iterator[ServerProcess]:
     process = ServerProcess("--model", str(model_dir), "--served-model-name", MODEL, "--reasoning-parser", "qwen3",
-                            "--max-model-len", "256", "--num-kv-blocks", "64", *EXACT_FLAGS)
+                            "--max-model-len", "1024", "--num-kv-blocks", "160", *EXACT_FLAGS)
     yield process
     assert process.stop() == 0, process.output()
 
@@ -57,6 +58,16 @@ def server(model_dir) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def no_whitespace(model_dir) -> dict[str, float]:
+    """A logit_bias against every whitespace-only token: JSON allows whitespace anywhere, and a
+    random model would write it forever. (It biases the thinking too: compare like with like.)"""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    blank = [i for i in range(len(tokenizer)) if (text := tokenizer.decode([i])) and not text.strip()]
+    assert blank
+    return {str(i): -100 for i in blank}
 
 
 def chat(client: openai.OpenAI, **fields):
@@ -128,29 +139,30 @@ def test_the_budget_closes_the_thinking_after_n_tokens(client):
     assert message.content is None and len(reasoning_of(message)) > 0
 
 
-def test_a_schema_constrains_the_answer_after_the_unconstrained_thinking(client):
-    free = chat(client, extra_body={"thinking_token_budget": 4}).choices[0].message
-    response = chat(client, max_tokens=64, extra_body={"thinking_token_budget": 4}, response_format={
-        "type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}})
+def test_a_schema_constrains_the_answer_after_the_unconstrained_thinking(client, no_whitespace):
+    free = chat(client, logit_bias=no_whitespace, extra_body={"thinking_token_budget": 4}).choices[0].message
+    response = chat(client, max_tokens=64, logit_bias=no_whitespace, extra_body={"thinking_token_budget": 4},
+                    response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}})
     message = response.choices[0].message
     assert response.choices[0].finish_reason == "stop"
     assert reasoning_of(message) == reasoning_of(free)  # the thinking, as the model thinks it
     jsonschema.validate(json.loads(message.content), SCHEMA)
 
     parsed = client.chat.completions.parse(model=MODEL, messages=QUESTION, temperature=0, max_tokens=64,
-                                           response_format=Answer, extra_body={"thinking_token_budget": 4})
+                                           logit_bias=no_whitespace, response_format=Answer,
+                                           extra_body={"thinking_token_budget": 4})
     assert isinstance(parsed.choices[0].message.parsed, Answer)
     assert reasoning_of(parsed.choices[0].message) == reasoning_of(free)
 
 
-def test_required_tool_calls_come_after_the_thinking(client):
-    free = chat(client, extra_body={"thinking_token_budget": 3}).choices[0].message
-    response = chat(client, max_tokens=64, tools=[WEATHER], tool_choice="required",
-                    extra_body={"thinking_token_budget": 3})
-    choice = response.choices[0]
-    assert choice.finish_reason == "tool_calls"
+def test_required_tool_calls_come_after_the_thinking(client, no_whitespace):
+    same = {"max_tokens": 96, "tools": [WEATHER], "parallel_tool_calls": False, "logit_bias": no_whitespace,
+            "extra_body": {"thinking_token_budget": 3}}
+    free = chat(client, tool_choice="none", **same).choices[0].message  # the same prompt, unconstrained
+    choice = chat(client, tool_choice="required", **same).choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
     assert reasoning_of(choice.message) == reasoning_of(free)
-    (call,) = choice.message.tool_calls[:1]
+    call = choice.message.tool_calls[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 

@@ -35,7 +35,8 @@ from roseinfer.structured_output import StructuredOutputsParams
 
 ENGINE = EXACT | {"max_model_len": 256, "num_kv_blocks": 64}
 QUESTION = [{"role": "user", "content": "What is two plus two?"}]
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "sure": {"type": "boolean"}},
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99},
+                                          "sure": {"type": "boolean"}},
           "required": ["answer", "sure"], "additionalProperties": False}
 
 
@@ -44,7 +45,9 @@ def greedy(max_tokens: int, **fields) -> SamplingParams:
 
 
 def json_answer(max_tokens: int = 48, **fields) -> SamplingParams:
-    return greedy(max_tokens, structured_outputs=StructuredOutputsParams(json=SCHEMA), **fields)
+    # No free whitespace: a random model would write it forever.
+    return greedy(max_tokens, structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+                  **fields)
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +159,16 @@ def test_enable_thinking_reaches_qwen3s_template_and_decides_where_the_output_st
 
 def test_a_grammar_lets_a_hybrid_model_open_its_thinking_first(hybrid_llm):
     start, end = markup(hybrid_llm)
-    # Unbiased, the model answers at once: the grammar holds from the first token.
-    output, direct = run(hybrid_llm, json_answer())
+    # Given the choice between <think> and the grammar's first tokens, this random model opens a
+    # thinking, which goes on as it would unconstrained (the same prompt with <think> appended).
+    output, unbiased = run(hybrid_llm, json_answer(10))
+    assert unbiased.token_ids[0] == start
+    (free,) = hybrid_llm.generate(output.prompt + "<think>", greedy(9), use_tqdm=False)
+    assert unbiased.token_ids[1:] == free.outputs[0].token_ids
+    assert split_of(hybrid_llm, output, unbiased).content is None
+
+    # Kept from <think>, it answers at once: the grammar holds from the first token.
+    output, direct = run(hybrid_llm, json_answer(logit_bias={start: -100}))
     split = split_of(hybrid_llm, output, direct)
     assert split.reasoning is None
     jsonschema.validate(json.loads(split.content), SCHEMA)
