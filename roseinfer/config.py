@@ -210,6 +210,9 @@ class EngineConfig:
     cpu_threads_bind: str = "auto"  # auto | none | core lists per local rank, e.g. "0-3|4-7"
     cpu_allreduce: str = "shm"  # CPU ranks on one host: shm (shared memory) | gloo
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # A thinking model's markup (roseinfer/reasoning: qwen3, deepseek_r1): its grammar constrains
+    # the answer only, a thinking budget can close it, and the API splits thinking from answer.
+    reasoning_parser: str | None = None
 
     DEFAULT_KV_CACHE_GIB = 2.0
 
@@ -243,6 +246,12 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_METHODS:
             raise bad("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.reasoning_parser is not None:
+            from roseinfer.reasoning import REASONING_PARSERS
+
+            if self.reasoning_parser not in REASONING_PARSERS:
+                raise bad("reasoning_parser", f"must be one of {', '.join(sorted(REASONING_PARSERS))}, "
+                                              f"got {self.reasoning_parser!r}")
         self.torch_device  # noqa: B018 - validates the device string early
         self._check_distributed()
 
@@ -394,7 +403,7 @@ ENGINE_ARG_NAMES = (
     "model", "tokenizer", "device", "dtype", "quantization", "block_size", "kv_cache_dtype", "kv_cache_memory",
     "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
     "attention_backend", "tensor_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
-    "master_addr", "master_port", "cpu_threads_bind", "cpu_allreduce", "speculative_config",
+    "master_addr", "master_port", "cpu_threads_bind", "cpu_allreduce", "speculative_config", "reasoning_parser",
 )
 
 
@@ -444,6 +453,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding without a draft model, e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')
+    from roseinfer.reasoning import REASONING_PARSERS
+
+    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="a thinking model's <think> markup (qwen3: Qwen3, QwQ; deepseek_r1: DeepSeek-R1 "
+                            "and its distills): the API returns the thinking as reasoning_content, grammars "
+                            "and tool choices constrain only the answer, and thinking_token_budget works")
 
     parallel = parser.add_argument_group("tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA)")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

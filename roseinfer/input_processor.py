@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from roseinfer.config import ModelConfig
-from roseinfer.core.messages import EngineCoreRequest
+from roseinfer.core.messages import EngineCoreRequest, ReasoningSpec
 from roseinfer.errors import ContextLengthError, InvalidRequestError
+from roseinfer.reasoning import ReasoningParser
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.special_token_guard import RenderedChat
 from roseinfer.tokenizer import Tokenizer
@@ -94,7 +95,10 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, max_model_len: int) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, model_config: ModelConfig, max_model_len: int,
+        reasoning_parser: ReasoningParser | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
@@ -103,6 +107,10 @@ class InputProcessor:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         self.limits = RequestLimits()
+        self.reasoning_parser = reasoning_parser
+        if reasoning_parser is not None:  # checked once, at startup
+            self._thinking_tokens = (self._tag_token(reasoning_parser, reasoning_parser.start_tag),
+                                     self._tag_token(reasoning_parser, reasoning_parser.end_tag))
 
     def process(
         self,
@@ -123,7 +131,8 @@ class InputProcessor:
         self._check_stop_limits(params)
         text, token_ids = self.prompt_token_ids(prompt, add_special_tokens)
         params = self._resolve_params(params, len(token_ids), strict_max_tokens)
-        core_requests = self._fan_out(request_id, token_ids, params, arrival, cache_salt)
+        reasoning = self._reasoning_spec(text, token_ids)
+        core_requests = self._fan_out(request_id, token_ids, params, arrival, cache_salt, reasoning)
         return ProcessedRequest(request_id, text, token_ids, params, core_requests, arrival)
 
     # -- prompts --------------------------------------------------------------------------
@@ -237,16 +246,50 @@ class InputProcessor:
                 )
         if params.structured_outputs is not None:
             params.structured_outputs.validate()  # llguidance's own check: a 400 naming the problem
+        if params.thinking_token_budget is not None and self.reasoning_parser is None:
+            raise InvalidRequestError(
+                "thinking_token_budget needs a thinking model served with a reasoning parser "
+                "(roseinfer serve --reasoning-parser qwen3|deepseek_r1)", "thinking_token_budget",
+            )
         if max_tokens == params.max_tokens and params.min_tokens <= max_tokens:
             return params
         return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 
+    # -- thinking models -------------------------------------------------------------------
+    def _tag_token(self, parser: ReasoningParser, tag: str) -> int:
+        """The one token of a thinking tag; the engine follows the thinking by these ids."""
+        ids = self.tokenizer.encode(tag, add_special_tokens=False)
+        if len(ids) != 1:
+            raise InvalidRequestError(
+                f"the reasoning parser {parser.name!r} needs {tag!r} to be one token of the model's "
+                f"vocabulary, but this tokenizer makes {len(ids)} tokens of it: is this a {parser.name} model?",
+                "reasoning_parser",
+            )
+        if ids[0] in self.tokenizer.skipped_ids:
+            raise InvalidRequestError(
+                f"the reasoning parser {parser.name!r} reads {tag!r} in the output text, but this tokenizer "
+                "marks it special, so it is left out of the text", "reasoning_parser",
+            )
+        return ids[0]
+
+    def _reasoning_spec(self, text: str | None, token_ids: list[int]) -> ReasoningSpec | None:
+        """Where the output of a prompt starts (inside the thinking or not), by the prompt's
+        end: the same rule, on the same text, as the API's reasoning split."""
+        parser = self.reasoning_parser
+        if parser is None:
+            return None
+        if text is None:  # token ids: their last few tokens hold any tag the prompt ends with
+            text = self.tokenizer.decode(token_ids[-16:], skip_special_tokens=False)
+        start, end = self._thinking_tokens
+        return ReasoningSpec(start, end, parser.initial_phase(text).value)
+
     def _fan_out(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float, cache_salt: str | None
+        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float, cache_salt: str | None,
+        reasoning: ReasoningSpec | None = None,
     ) -> list[EngineCoreRequest]:
         if params.n == 1:
             return [EngineCoreRequest(request_id, token_ids, params, self.eos_token_ids, arrival,
-                                      cache_salt=cache_salt)]
+                                      cache_salt=cache_salt, reasoning=reasoning)]
         first = f"{request_id}/0"
         requests = []
         for index in range(params.n):
@@ -256,7 +299,7 @@ class InputProcessor:
                 child = dataclasses.replace(params, seed=seed - _SEED_SPACE if seed >= _SEED_SPACE else seed)
             requests.append(EngineCoreRequest(
                 f"{request_id}/{index}", token_ids, child, self.eos_token_ids, arrival,
-                fork_of=first if index else None, cache_salt=cache_salt,
+                fork_of=first if index else None, cache_salt=cache_salt, reasoning=reasoning,
             ))
         return requests
 

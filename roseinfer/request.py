@@ -8,7 +8,8 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from roseinfer.core.messages import EngineCoreRequest
+from roseinfer.core.messages import EngineCoreRequest, ReasoningSpec
+from roseinfer.core.reasoning_tracker import ReasoningTracker
 from roseinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class Request:
         arrival_time: float | None = None,
         fork_of: str | None = None,
         cache_salt: str | None = None,
+        reasoning: ReasoningSpec | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -80,6 +82,8 @@ class Request:
         self.grammar: Grammar | None = None
         self.grammar_error: str | None = None
         self.grammar_compile_time: float | None = None
+        # A thinking model's request (a reasoning parser is on): where it is in its thinking.
+        self.reasoning = ReasoningTracker(reasoning, sampling_params.thinking_token_budget) if reasoning else None
         # Speculative decoding (core/spec_decode.py): recent drafts and how many were accepted.
         self.spec_proposed = 0
         self.spec_accepted = 0
@@ -90,7 +94,7 @@ class Request:
         return cls(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time, fork_of=request.fork_of,
-            cache_salt=request.cache_salt,
+            cache_salt=request.cache_salt, reasoning=request.reasoning,
         )
 
     @property

@@ -53,6 +53,9 @@ class SamplingParams:
     # as vLLM's `structured_outputs` request field.
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, -100..100
+    # vLLM's: with a reasoning parser, the most tokens the thinking may take; then the end of
+    # thinking is forced (None: no limit; 0: the thinking is closed at once).
+    thinking_token_budget: int | None = None
     # Derived in __post_init__: the stop strings as a list.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -118,6 +121,9 @@ class SamplingParams:
             raise bad("structured_outputs", "must be a StructuredOutputsParams or a dict")
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias)
+        budget = self.thinking_token_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise bad("thinking_token_budget", f"must be a whole number >= 0, got {budget!r}")
 
     @property
     def greedy(self) -> bool:

@@ -50,11 +50,11 @@ def tiny_tokenizer_json(path: Path) -> None:
     }))
 
 
-def tiny_hf_model(kind: str, path: Path, seed: int = 0) -> torch.nn.Module:
+def tiny_hf_model(kind: str, path: Path, seed: int = 0, max_positions: int = 512) -> torch.nn.Module:
     """Build a small random model of `kind` with transformers, save it with a tokenizer, return it."""
     import transformers
 
-    common = dict(vocab_size=TINY_VOCAB, max_position_embeddings=512, eos_token_id=0)
+    common = dict(vocab_size=TINY_VOCAB, max_position_embeddings=max_positions, eos_token_id=0)
     if kind == "llama":
         config = transformers.LlamaConfig(
             hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
@@ -96,6 +96,143 @@ def tiny_hf_model(kind: str, path: Path, seed: int = 0) -> torch.nn.Module:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tiny_tokenizer_json(path)
+    return model
+
+
+# -- thinking models: Qwen3's own chat template ------------------------------------------------
+
+# The chat template Qwen3's hybrid thinking models (Qwen3-0.6B ... Qwen3-32B) ship in their
+# tokenizer_config.json: the model opens `<think>` itself, `enable_thinking: false` closes an empty
+# one in the prompt, and earlier turns' thinking is dropped.
+QWEN3_CHAT_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- set tool_start = "<tool_response>" %}
+    {%- set tool_start_length = tool_start|length %}
+    {%- set start_of_message = message.content[:tool_start_length] %}
+    {%- set tool_end = "</tool_response>" %}
+    {%- set tool_end_length = tool_end|length %}
+    {%- set start_pos = (message.content|length) - tool_end_length %}
+    {%- if start_pos < 0 %}
+        {%- set start_pos = 0 %}
+    {%- endif %}
+    {%- set end_of_message = message.content[start_pos:] %}
+    {%- if ns.multi_step_tool and message.role == "user" and not(start_of_message == tool_start and end_of_message == tool_end) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set content = message.content %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is defined and message.reasoning_content is not none %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in message.content %}
+                {%- set content = (message.content.split('</think>')|last).lstrip('\\n') %}
+                {%- set reasoning_content = (message.content.split('</think>')|first).rstrip('\\n') %}
+                {%- set reasoning_content = (reasoning_content.split('<think>')|last).lstrip('\\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+# The thinking-only Qwen3 models (Qwen3-*-Thinking-2507) differ in one place: their template opens
+# the thinking itself, so the output starts inside it.
+_QWEN3_HYBRID_GENERATION_PROMPT = """{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+QWEN3_THINKING_CHAT_TEMPLATE = QWEN3_CHAT_TEMPLATE.replace(_QWEN3_HYBRID_GENERATION_PROMPT, """{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n<think>\\n' }}
+{%- endif %}""")
+assert QWEN3_THINKING_CHAT_TEMPLATE != QWEN3_CHAT_TEMPLATE
+
+# Added tokens of Qwen3's tokenizer that thinking and tool calls need: single tokens, not special
+# (so they stay in the decoded text), as in Qwen3's own tokenizer.json.
+QWEN3_MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+
+def tiny_qwen3_thinking_model(path: Path, chat_template: str = QWEN3_CHAT_TEMPLATE, seed: int = 0) -> torch.nn.Module:
+    """A tiny random Qwen3 model directory whose tokenizer has Qwen3's markup tokens (`<think>`
+    and `</think>` single added tokens) and Qwen3's chat template, with `<|im_end|>` its EOS."""
+    from tokenizers import AddedToken
+
+    model = tiny_hf_model("qwen3", path, seed, max_positions=2048)  # room for a tools prompt
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in QWEN3_MARKUP_TOKENS])
+    assert tokenizer.get_vocab_size(with_added_tokens=True) <= TINY_VOCAB
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "bos_token": None, "pad_token": "<|endoftext|>", "chat_template": chat_template,
+        "clean_up_tokenization_spaces": False,
+    }))
     return model
 
 

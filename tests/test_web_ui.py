@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from live_server import ServerProcess, metric
-from support import EXACT_FLAGS
+from support import EXACT_FLAGS, QWEN3_THINKING_CHAT_TEMPLATE, tiny_qwen3_thinking_model
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 expect = playwright_api.expect
@@ -359,6 +359,42 @@ def test_markup_in_messages_is_shown_as_text_and_never_runs(chat):
     assert "http://example.com/a.png" in rendered["links"]  # an image becomes a link, not a fetch
     assert '<img src=/pwned.png onerror="window.pwned = 3">' in rendered["text"]
     assert not any("pwned" in url or "example.com" in url for url in chat.request_urls)
+
+
+def test_a_thinking_models_thinking_is_folded_above_its_answer(browser, tmp_path):
+    tiny_qwen3_thinking_model(tmp_path, QWEN3_THINKING_CHAT_TEMPLATE)  # a tiny random thinking model
+    server = ServerProcess("--model", str(tmp_path), "--reasoning-parser", "qwen3", "--max-model-len", "256",
+                           "--num-kv-blocks", "64", *EXACT_FLAGS)
+    context = browser.new_context(viewport={"width": 1000, "height": 800})
+    try:
+        chat = ChatPage(context.new_page(), server.url).open()
+        chat.settings(Temperature=0, **{"Max tokens": 12, "Thinking budget": 2})
+        chat.ask("What is two plus two?")
+        (body,) = chat.chat_bodies
+        assert body["thinking_token_budget"] == 2
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        fields = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "thinking_token_budget")}
+        reference = client.chat.completions.create(**fields, extra_body={"thinking_token_budget": 2}).choices[0].message
+        reasoning = reference.model_extra["reasoning_content"]
+        assert reasoning and reference.content
+
+        answer = chat.messages().last
+        thinking = answer.get_by_role("group")  # a <details>: folded until opened
+        expect(thinking).to_have_count(1)
+        expect(thinking.get_by_text("Thinking", exact=True)).to_be_visible()
+        text = answer.locator(".thinking-text")
+        expect(text).to_be_hidden()
+        above = "a => a.querySelector('details').compareDocumentPosition(a.querySelector('.body'))"
+        assert answer.evaluate(above) & 4  # DOCUMENT_POSITION_FOLLOWING: the answer comes after it
+        thinking.get_by_text("Thinking", exact=True).click()
+        expect(text).to_be_visible()
+        assert text.text_content() == reasoning
+        exported = chat.export()["messages"][-1]
+        assert (exported["reasoning"], exported["content"]) == (reasoning, reference.content)
+        assert chat.console_errors == []
+    finally:
+        context.close()
+        assert server.stop() == 0, server.output()
 
 
 # -- failures --------------------------------------------------------------------------------

@@ -19,13 +19,25 @@ from roseinfer.sampling_params import SamplingParams
 
 
 @dataclass
+class ReasoningSpec:
+    """Where a thinking model's output starts, and the tokens that open and close its thinking
+    (from the reasoning parser): the engine core follows the thinking token by token, so that a
+    grammar constrains only the answer and a thinking budget can close the thinking."""
+
+    start_token_id: int
+    end_token_id: int
+    phase: str  # roseinfer.reasoning.Phase's value: "undecided" | "thinking" | "answering"
+
+
+@dataclass
 class EngineCoreRequest:
     """A validated, tokenized request with one sequence to generate (n > 1 is fanned out before).
 
     `sampling_params.max_tokens` is the effective limit (the model's context applied already).
     `fork_of` names a sibling of the same prompt added before this one (n > 1): this request then
     shares that sibling's prompt blocks instead of computing the prompt again. `cache_salt`
-    (vLLM's): only requests with the same salt share prefix-cache blocks.
+    (vLLM's): only requests with the same salt share prefix-cache blocks. `reasoning`: set when
+    the engine has a reasoning parser.
     """
 
     request_id: str
@@ -35,6 +47,7 @@ class EngineCoreRequest:
     arrival_time: float
     fork_of: str | None = None
     cache_salt: str | None = None
+    reasoning: ReasoningSpec | None = None
 
 
 @dataclass

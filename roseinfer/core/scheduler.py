@@ -67,9 +67,11 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
+        needs_masks = request.sampling_params.structured_outputs is not None or (
+            request.reasoning is not None and request.reasoning.budget is not None)
+        if needs_masks and self.structured_output is None:
+            raise ValueError("this scheduler has no structured-output manager")
         if request.sampling_params.structured_outputs is not None:
-            if self.structured_output is None:
-                raise ValueError("this scheduler has no structured-output manager")
             self.structured_output.add_request(request)
         parent = self.requests.get(request.fork_of) if request.fork_of is not None else None
         if parent is not None and parent.status == RequestStatus.WAITING and not parent.num_computed_tokens:
@@ -336,7 +338,9 @@ class Scheduler:
         for token_id in token_ids:
             request.token_ids.append(token_id)
             appended += 1
-            grammar = request.grammar
+            # A thinking model's grammar constrains its answer only, not its thinking.
+            in_answer = request.reasoning is None or request.reasoning.advance(token_id)
+            grammar = request.grammar if in_answer else None
             if grammar is not None and not grammar.accept_tokens([token_id]):
                 status, error = RequestStatus.FINISHED_ERROR, f"structured output: {grammar.error}"
             elif token_id in request.eos_token_ids and not params.ignore_eos:

@@ -26,8 +26,8 @@ _CLASSES: dict[str, type] = {
     for cls in (
         messages.EngineCoreRequest, messages.EngineCoreOutput, messages.EngineCoreOutputs,
         messages.SchedulerStats, messages.SchedulerOutput, messages.NewRequestData,
-        messages.CachedRequestData, messages.ModelRunnerOutput, SamplingParams, TokenLogprob,
-        StructuredOutputsParams,
+        messages.CachedRequestData, messages.ModelRunnerOutput, messages.ReasoningSpec, SamplingParams,
+        TokenLogprob, StructuredOutputsParams,
     )
 }
 _FIELDS = {name: [f.name for f in dataclasses.fields(cls) if f.init] for name, cls in _CLASSES.items()}

@@ -46,7 +46,7 @@ class NgramProposer:
 def _qualifies(request: Request) -> bool:
     """Drafts are verified with the plain sampling rules only: not for requests whose every token
     needs its own state (logprobs, penalties, min_tokens still holding back EOS, logit bias, a
-    grammar)."""
+    grammar, a thinking budget)."""
     params = request.sampling_params
     return not (
         params.logprobs is not None
@@ -54,6 +54,7 @@ def _qualifies(request: Request) -> bool:
         or request.num_output_tokens < params.min_tokens
         or params.logit_bias
         or params.structured_outputs is not None
+        or (request.reasoning is not None and request.reasoning.budget is not None)
     )
 
 

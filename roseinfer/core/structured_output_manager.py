@@ -1,6 +1,6 @@
 """The engine core's side of structured outputs: each constrained request's grammar, compiled on a
-thread pool off the engine loop, its rows of the step's token bitmask, and its advance over each
-accepted token.
+thread pool off the engine loop, and the step's token bitmask: a row per constrained request,
+and one per thinking model's request whose thinking budget is spent (only its end token).
 
 A request whose grammar is still compiling waits (the scheduler passes over it, the step goes on).
 The tokenizer (for llguidance's view of the vocabulary) is loaded at the first constrained request.
@@ -72,18 +72,47 @@ class StructuredOutputManager:
         return True
 
     def bitmask(self, requests: list[Request]) -> tuple[np.ndarray | None, dict[str, int]]:
-        """The allowed next tokens of each constrained request about to sample: an int32
-        bitmask (a row per request) and request id -> row."""
-        constrained = [r for r in requests if r.grammar is not None]
-        if not constrained:
+        """The allowed next tokens of each request about to sample that has a rule for them: an
+        int32 bitmask (a row per such request) and request id -> row.
+
+        The rules: a grammar's row (a thinking model's grammar only once its answer began, and
+        on its first token also the token that opens the thinking); a thinking that has spent its
+        budget allows only its end token."""
+        grammar_rows: list[Request] = []
+        forced: list[tuple[Request, int]] = []
+        for request in requests:
+            tracker = request.reasoning
+            token = tracker.forced_token() if tracker is not None else None
+            if token is not None:
+                forced.append((request, token))
+            elif request.grammar is not None and (tracker is None or not tracker.thinking):
+                grammar_rows.append(request)
+        if not grammar_rows and not forced:
             return None, {}
         started = time.perf_counter()
-        mask = allocate_bitmask(len(constrained), self.compiler.vocab_size)
-        fill_bitmasks([(r.grammar, row) for row, r in enumerate(constrained)], mask)
-        self.mask_seconds += time.perf_counter() - started
-        self.mask_steps += 1
-        return mask.numpy(), {r.request_id: row for row, r in enumerate(constrained)}
+        # One width for every row: the grammar's vocabulary once a grammar was compiled (the
+        # model's logits, or wider), else the model's.
+        width = self._compiler.vocab_size if self._compiler is not None else self._model_config.vocab_size
+        mask = allocate_bitmask(len(grammar_rows) + len(forced), width)
+        fill_bitmasks([(r.grammar, row) for row, r in enumerate(grammar_rows)], mask)
+        words = mask.numpy().view(np.uint32)
+        for row, request in enumerate(grammar_rows):
+            if request.reasoning is not None and request.reasoning.undecided:
+                _allow(words[row], request.reasoning.start_token_id)
+        for row, (_, token) in enumerate(forced, start=len(grammar_rows)):
+            words[row] = 0
+            _allow(words[row], token)
+        if grammar_rows:
+            self.mask_seconds += time.perf_counter() - started
+            self.mask_steps += 1
+        rows = [r.request_id for r in grammar_rows] + [r.request_id for r, _ in forced]
+        return mask.numpy(), {request_id: row for row, request_id in enumerate(rows)}
 
     def shutdown(self) -> None:
         if self._compiler is not None:
             self._compiler.shutdown()
+
+
+def _allow(words: np.ndarray, token_id: int) -> None:
+    """Set token_id's bit in a bitmask row (seen as uint32 words)."""
+    words[token_id // 32] |= np.uint32(1 << (token_id % 32))

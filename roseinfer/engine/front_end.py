@@ -10,6 +10,7 @@ from roseinfer.core.messages import EngineCoreRequest
 from roseinfer.input_processor import InputProcessor, ProcessedRequest
 from roseinfer.models.loader import ModelSource
 from roseinfer.output_processor import OutputProcessor
+from roseinfer.reasoning import get_reasoning_parser
 
 logger = logging.getLogger("roseinfer")
 
@@ -23,14 +24,18 @@ class EngineFrontEnd:
         self.tokenizer = source.tokenizer()
         self.model_name = config.served_model_name or source.name
         self.max_model_len: int = config.max_model_len
-        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len)
+        # The thinking model's markup (None: not a thinking model): the API front ends split
+        # responses with it (roseinfer/reasoning), the input processor marks requests with it.
+        self.reasoning_parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len,
+                                              self.reasoning_parser)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def adopt_front_end(self, other: EngineFrontEnd) -> None:
         """Take another front end's model, tokenizer and configuration (with new output state)."""
         self.model_config, self.config, self.tokenizer = other.model_config, other.config, other.tokenizer
         self.model_name, self.max_model_len = other.model_name, other.max_model_len
-        self.input_processor = other.input_processor
+        self.input_processor, self.reasoning_parser = other.input_processor, other.reasoning_parser
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def register_request(self, processed: ProcessedRequest) -> list[EngineCoreRequest]:

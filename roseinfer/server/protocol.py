@@ -43,7 +43,8 @@ UNSUPPORTED_FIELDS = {
     "modalities": "only text output is supported; leave modalities out",
     "functions": "the deprecated `functions` is not supported; use `tools`",
     "function_call": "the deprecated `function_call` is not supported; use `tool_choice`",
-    "reasoning_effort": "this model does not reason; leave reasoning_effort out",
+    "reasoning_effort": "not supported; with a thinking model use thinking_token_budget, or "
+                        "chat_template_kwargs {\"enable_thinking\": false}",
     "verbosity": "not supported; leave verbosity out",
     "web_search_options": "web search is not supported",
     "suffix": "suffix (fill-in-the-middle) is not supported",
@@ -122,7 +123,7 @@ class NamedToolChoice(StrictModel):
 # request they forward: their request types' defaults, which change nothing. Accepted with exactly
 # these values and dropped; any other value is still an unknown or unsupported field.
 ROUTER_DEFAULTS = {"no_stop_trim": False, "return_hidden_states": False, "continue_final_message": False,
-                   "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True}
+                   "separate_reasoning": True, "stream_reasoning": True}
 
 
 def nesting_depth_exceeds(value: Any, limit: int) -> bool:
@@ -189,6 +190,8 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # prefix-cache blocks are shared only within one salt (checked by the engine)
+    # With --reasoning-parser: the most tokens the thinking may take before it is closed.
+    thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -268,6 +271,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     prediction: dict[str, Any] | None = None  # OpenAI's predicted output: a speed hint, same output
+    include_reasoning: bool = True  # vLLM's: false leaves the thinking out of the response
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -372,6 +376,9 @@ class ToolCallModel(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # A thinking model's thinking (--reasoning-parser): vLLM's field, and `reasoning`, its newer name.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallModel] = Field(default_factory=list)
 
 
@@ -395,6 +402,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # a piece of the thinking, under both of vLLM's names
+    reasoning: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool-call deltas (index, id, function)
 
 

@@ -17,6 +17,7 @@ from roseinfer.engine.async_llm import AsyncLLM, NewRequest, RequestOutputStream
 from roseinfer.errors import InvalidRequestError
 from roseinfer.input_processor import ChatPrompt
 from roseinfer.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from roseinfer.reasoning import ReasoningDelta, ReasoningStream
 from roseinfer.sampling_params import RequestOutputKind, SamplingParams
 from roseinfer.server.error_responses import GenerationError, error_event, status_of
 from roseinfer.server.protocol import (
@@ -90,6 +91,7 @@ def sampling_params(
         output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         logit_bias=body.logit_bias,
         structured_outputs=structured_outputs,
+        thinking_token_budget=body.thinking_token_budget,
     )
 
 
@@ -148,6 +150,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = engine.reasoning_parser  # None: not a thinking model
 
     async def submit(
         self, route: str, prefix: str, requests: list[NewRequest], n: int, tool_calling: ToolCalling | None = None
@@ -277,11 +280,17 @@ class OpenAIServing:
         (output,) = await self._final_outputs(submitted)
         choices = []
         for c in output.outputs:
-            message, finish_reason = AssistantMessage(content=c.text), c.finish_reason
-            if submitted.tool_calling is not None:
-                content, calls = submitted.tool_calling.extract(c.text)
+            answer, reasoning = c.text, None
+            if self.reasoning_parser is not None:  # tool calls are read from the answer only
+                split = self.reasoning_parser.split(c.text, output.prompt)
+                answer, reasoning = split.content, split.reasoning if body.include_reasoning else None
+            message = AssistantMessage(content=answer, reasoning_content=reasoning, reasoning=reasoning)
+            finish_reason = c.finish_reason
+            if submitted.tool_calling is not None and answer is not None:
+                content, calls = submitted.tool_calling.extract(answer)
                 if calls:
-                    message = AssistantMessage(content=content, tool_calls=[call.to_openai() for call in calls])
+                    message = AssistantMessage(content=content, reasoning_content=reasoning, reasoning=reasoning,
+                                               tool_calls=[call.to_openai() for call in calls])
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             choices.append(ChatChoice(
                 index=c.index, message=message,
@@ -304,6 +313,7 @@ class OpenAIServing:
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(body.n)])
         tool_streams = {i: submitted.tool_calling.stream() for i in range(body.n)} if submitted.tool_calling else {}
+        reasoning_streams: dict[int, ReasoningStream] = {}
         async for output in self._outputs(submitted):
             for completion in output.outputs:
                 if completion.error is not None:
@@ -311,14 +321,24 @@ class OpenAIServing:
                     continue
                 index = completion.index
                 logprobs = self._chat_logprobs(completion.logprobs) if body.logprobs and completion.logprobs else None
+                thinking, answer = "", completion.text
+                if self.reasoning_parser is not None:  # the thinking first; tool calls in the answer only
+                    if index not in reasoning_streams:
+                        reasoning_streams[index] = self.reasoning_parser.stream(output.prompt)
+                    split = reasoning_streams[index].feed(completion.text)
+                    if completion.finished:
+                        tail = reasoning_streams[index].finish()
+                        split = ReasoningDelta(split.reasoning + tail.reasoning, split.content + tail.content)
+                    thinking, answer = split.reasoning if body.include_reasoning else "", split.content
+                deltas = [DeltaMessage(reasoning_content=thinking, reasoning=thinking)] if thinking else []
                 tools = tool_streams.get(index)
                 if tools is None:
-                    deltas = [DeltaMessage(content=completion.text)] if completion.text or logprobs else []
+                    deltas += [DeltaMessage(content=answer)] if answer else []
                 else:
-                    pieces = tools.feed(completion.text) + (tools.finish() if completion.finished else [])
-                    deltas = [_tool_delta(piece) for piece in pieces]
-                    if logprobs and not deltas:
-                        deltas = [DeltaMessage()]
+                    pieces = tools.feed(answer) + (tools.finish() if completion.finished else [])
+                    deltas += [_tool_delta(piece) for piece in pieces]
+                if logprobs and not deltas:
+                    deltas = [DeltaMessage(content="")] if tools is None else [DeltaMessage()]
                 for position, delta in enumerate(deltas):
                     yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs if position == 0 else None)])
                 if completion.finished:

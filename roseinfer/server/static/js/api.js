@@ -72,9 +72,10 @@ async function* ssePayloads(body) {
 }
 
 // POSTs a streaming chat completion; calls onText(piece) for each piece of the answer as it
-// arrives. Resolves to {finishReason, usage}. Rejects with ChatError (said in plain words), or
-// with the AbortError of `signal` when the user stops it.
-export async function streamChat(request, { apiKey, signal, onText }) {
+// arrives, and onReasoning(piece) for each piece of a thinking model's thinking. Resolves to
+// {finishReason, usage}. Rejects with ChatError (said in plain words), or with the AbortError of
+// `signal` when the user stops it.
+export async function streamChat(request, { apiKey, signal, onText, onReasoning }) {
   const response = await send("/v1/chat/completions", {
     method: "POST",
     headers: headers(apiKey),
@@ -90,6 +91,7 @@ export async function streamChat(request, { apiKey, signal, onText }) {
       if (chunk.error) throw new ChatError(`The server failed while answering: ${chunk.error.message}`);
       if (chunk.usage) usage = chunk.usage;
       const choice = chunk.choices?.[0];
+      if (choice?.delta?.reasoning_content) onReasoning(choice.delta.reasoning_content);
       if (choice?.delta?.content) onText(choice.delta.content);
       if (choice?.finish_reason) finishReason = choice.finish_reason;
     }

@@ -82,6 +82,7 @@ function messageElement(message, index, lastUserIndex) {
       meta.append(edit);
     }
   } else {
+    article.insertBefore(thinkingElement(message.reasoning), body);
     body.replaceChildren(renderMarkdown(message.content));
     const figures = document.createElement("p");
     figures.className = "figures";
@@ -90,6 +91,21 @@ function messageElement(message, index, lastUserIndex) {
     article.append(figures);
   }
   return article;
+}
+
+// A thinking model's thinking, folded above its answer (hidden when there is none). Plain text:
+// it is the model's scratch work, not a formatted reply.
+function thinkingElement(reasoning) {
+  const details = document.createElement("details");
+  details.className = "thinking";
+  const summary = document.createElement("summary");
+  summary.textContent = "Thinking";
+  const text = document.createElement("div");
+  text.className = "thinking-text";
+  text.textContent = reasoning ?? "";
+  details.append(summary, text);
+  details.hidden = !reasoning;
+  return details;
 }
 
 function lastUserIndex() {
@@ -123,6 +139,9 @@ function renderRunningSoon() {
     const running = state.running;
     if (!running) return;
     const stick = nearBottom();
+    const thinking = running.element.querySelector(".thinking"); // updated in place: it stays open if opened
+    thinking.querySelector(".thinking-text").textContent = running.message.reasoning ?? "";
+    thinking.hidden = !running.message.reasoning;
     running.element.querySelector(".body").replaceChildren(renderMarkdown(running.message.content));
     running.element.querySelector(".figures").textContent = figuresText(running.message.figures);
     if (stick) view.conversation.scrollTop = view.conversation.scrollHeight;
@@ -189,6 +208,14 @@ async function answer(sampling) {
         message.figures = measure(pieces);
         renderRunningSoon();
       },
+      onReasoning(text) {
+        lastAt = performance.now();
+        firstAt ??= lastAt;
+        pieces += 1;
+        message.reasoning = (message.reasoning ?? "") + text;
+        message.figures = measure(pieces);
+        renderRunningSoon();
+      },
     });
     const ended = result.finishReason === "length" ? "max tokens reached" : null;
     message.figures = measure(result.usage?.completion_tokens ?? pieces, ended);
@@ -202,7 +229,8 @@ async function answer(sampling) {
     }
   } finally {
     const { messages } = state.conversation; // (a New chat may have replaced it meanwhile)
-    if (!message.content && messages.includes(message)) messages.splice(messages.indexOf(message), 1);
+    const empty = !message.content && !message.reasoning;
+    if (empty && messages.includes(message)) messages.splice(messages.indexOf(message), 1);
     if (state.running?.message === message) state.running = null;
     saveConversation(state.conversation);
     render();

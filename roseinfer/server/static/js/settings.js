@@ -9,6 +9,7 @@ const NUMBER_FIELDS = [
   ["topP", "top_p", "Top-p", false],
   ["maxTokens", "max_tokens", "Max tokens", true],
   ["seed", "seed", "Seed", true],
+  ["thinkingBudget", "thinking_token_budget", "Thinking budget", true],
 ];
 
 export class SettingsForm {

@@ -9,6 +9,7 @@ export const DEFAULT_SETTINGS = Object.freeze({
   topP: "",
   maxTokens: "512",
   seed: "",
+  thinkingBudget: "",
   apiKey: "",
 });
 
@@ -20,7 +21,8 @@ function read(key) {
   }
 }
 
-// A conversation is {messages: [{role: "user" | "assistant", content, figures?, ended?}]}.
+// A conversation is {messages: [{role: "user" | "assistant", content, reasoning?, figures?}]}
+// (reasoning: a thinking model's thinking, from a server with --reasoning-parser).
 export function loadConversation() {
   const saved = read(CONVERSATION_KEY);
   const messages = Array.isArray(saved?.messages) ? saved.messages : [];
