@@ -3,8 +3,6 @@ new keys and values in the pool (index_copy_), SiLU(gate) * up, and greedy sampl
 Each must give exactly what PyTorch gives (the SiLU on AVX-512 builds, which use the same exp as
 PyTorch's own kernel), in parallel and serial sizes alike."""
 
-import os
-import time
 from pathlib import Path
 
 import pytest
@@ -110,17 +108,32 @@ def test_argmax_matches_torch_max(kernels, dtype):
     assert torch.equal(greedy_tokens(logits[:5, :1000]), logits[:5, :1000].max(dim=-1).indices)  # strided rows
 
 
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+def test_builds_wait_for_each_other_and_a_killed_builds_lock_is_removed(tmp_path):
     # PyTorch's builder waits forever on its lock file; one left by a killed build must not hang
-    # every later start, and one held by a build in progress must stay.
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    stale, fresh = tmp_path / "stale_build", tmp_path / "fresh_build"
-    for build in (stale, fresh):
+    # every later start. A build waits for another's (the machine-wide lock); a module already
+    # built does not wait.
+    import fcntl
+    import threading
+
+    building, built = tmp_path / "building", tmp_path / "built"
+    for build in (building, built):
         build.mkdir()
-        (build / "lock").touch()
-    old = time.time() - cpu_kernels_module._STALE_LOCK_SECONDS - 60
-    os.utime(stale / "lock", (old, old))
-    cpu_kernels_module._remove_stale_build_lock("stale_build")
-    cpu_kernels_module._remove_stale_build_lock("fresh_build")
-    assert not (stale / "lock").exists()
-    assert (fresh / "lock").exists()
+    (building / "lock").touch()  # a killed build's leftover
+    (built / "built.so").touch()
+    entered = threading.Event()
+
+    def build() -> None:
+        with cpu_kernels_module._one_build_at_a_time(building):
+            entered.set()
+
+    with open(tmp_path / "roseinfer-kernel-build.lock", "w") as other_build:
+        fcntl.flock(other_build, fcntl.LOCK_EX)  # another process's build in progress
+        with cpu_kernels_module._one_build_at_a_time(built):
+            pass  # already built: no wait (this would block for ever otherwise)
+        waiting = threading.Thread(target=build)
+        waiting.start()
+        assert not entered.wait(1.0)
+        assert (building / "lock").exists()
+    waiting.join(timeout=30)
+    assert entered.is_set()
+    assert not (building / "lock").exists()

@@ -93,28 +93,6 @@ def _source_fingerprint() -> str:
     return digest.hexdigest()[:8]
 
 
-# A build takes ~30 s to a few minutes; a lock older than this was left by a killed build.
-_STALE_LOCK_SECONDS = 15 * 60
-
-
-def _remove_stale_build_lock(name: str) -> None:
-    """PyTorch's builder takes a lock file in the build directory and waits, with no time limit,
-    while it exists; a build killed midway (a Ctrl-C on the first start) leaves it behind, and
-    every later start would hang. Remove it once it is too old to belong to a running build."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return  # no lock: the usual case
-    if age > _STALE_LOCK_SECONDS:
-        logger.warning("removing %s, left %.0f minutes ago by an interrupted kernel build", lock, age / 60)
-        lock.unlink(missing_ok=True)
-    else:
-        logger.info("waiting for the kernel build that holds %s (remove it if no build is running)", lock)
-
-
 # One compiler process needs up to ~1.5 GiB for these sources (the GGUF driver's templates).
 _GIB_PER_COMPILE_JOB = 2
 
@@ -135,13 +113,22 @@ def _compile_jobs() -> int:
 def _one_build_at_a_time(build_directory: Path) -> Iterator[None]:
     """Builds of several checkouts or servers starting together wait for each other (a lock file in
     the extensions directory): each build already uses every core it may, and together they ran the
-    machine out of memory. A module already built loads without waiting for anyone's build."""
+    machine out of memory. A module already built loads without waiting for anyone's build.
+
+    Holding this lock also tells a killed build's leftovers apart: PyTorch's builder takes a lock
+    file of its own in the build directory and waits for it with no time limit, and a build killed
+    midway (a Ctrl-C on the first start) leaves it behind. Every roseinfer build holds this lock
+    (an flock, released when its process dies), so such a file found here is a leftover."""
     if (build_directory / f"{build_directory.name}.so").exists():
         yield
         return
     build_directory.parent.mkdir(parents=True, exist_ok=True)
     with open(build_directory.parent / "roseinfer-kernel-build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        leftover = build_directory / "lock"
+        if leftover.exists():
+            logger.warning("removing %s, left by an interrupted kernel build", leftover)
+            leftover.unlink(missing_ok=True)
         previous = os.environ.get("MAX_JOBS")
         os.environ["MAX_JOBS"] = previous or str(_compile_jobs())  # read by PyTorch's ninja call
         try:
@@ -159,7 +146,6 @@ def cpu_kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import _get_build_directory, load
 
         name = f"roseinfer_cpu_kernels_{_cpu_fingerprint()}_{_source_fingerprint()}"
-        _remove_stale_build_lock(name)
         started = time.perf_counter()
         with _one_build_at_a_time(Path(_get_build_directory(name, verbose=False))):
             module = load(
