@@ -53,6 +53,7 @@ def fused_decoder_for(
         or device.type != "cpu"
         or dtype not in (torch.float32, torch.bfloat16)
         or config.architecture != "llama"
+        or config.moe is not None  # the C++ step has no router or experts
         or config.hidden_act != "silu"
         or not all(_callable(m, dtype) for m in model.modules() if _is_projection(m))
     ):

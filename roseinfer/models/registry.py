@@ -13,10 +13,12 @@ from roseinfer.layers.linear import LinearLayerKernels, WeightParts, prepare_lin
 from roseinfer.layers.parallel import VocabParallelEmbedding
 from roseinfer.models.gpt2 import GPT2LMHeadModel
 from roseinfer.models.llama import LlamaForCausalLM
+from roseinfer.models.moe import MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "gpt2": GPT2LMHeadModel,
+    "moe": MoeForCausalLM,
 }
 
 
