@@ -144,3 +144,20 @@ def test_tensor_parallelism_is_refused_by_name(tmp_path_factory):
     moe = built("qwen3_moe", tmp_path_factory)
     with pytest.raises(InvalidRequestError, match="tensor parallelism is not supported for mixture-of-experts"):
         LLM(str(moe.gguf), tensor_parallel_size=2, num_kv_blocks=16)
+
+
+def test_stacked_expert_tensors_load(tmp_path_factory, tmp_path):
+    """transformers 5 holds each layer's experts as two 3-D tensors (`mlp.experts.gate_up_proj`
+    [experts, 2 x width, hidden], `mlp.experts.down_proj`); a checkpoint saved from that state dict
+    loads as the per-expert one does."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    moe = built("mixtral", tmp_path_factory)
+    state = {name: tensor.contiguous() for name, tensor in moe.reference.state_dict().items()}
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
+    shutil.copytree(moe.hf_dir, tmp_path / "stacked")
+    save_file(state, tmp_path / "stacked" / "model.safetensors")
+    llm = LLM(str(tmp_path / "stacked"), num_kv_blocks=64, **EXACT)
+    assert _greedy(llm, moe.prompts) == moe.expected
