@@ -125,6 +125,14 @@ def test_shared_expert_from_hf_and_from_q8_0_blocks(tmp_path_factory):
     assert experts and all(isinstance(e.gate_up_proj, BlockLinear) and isinstance(e.down_proj, BlockLinear)
                            for e in experts)
     assert all(block.shared_expert is not None for block in blocks)
+    # One token (a decode step's row) runs exactly the experts its router chose, no others.
+    ran: list[int] = []
+    for index, expert in enumerate(blocks[0].experts):
+        expert.register_forward_hook(lambda *_, index=index: ran.append(index))
+    x = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    _, chosen = blocks[0].route(x)
+    blocks[0](x)
+    assert sorted(ran) == sorted(chosen[0].tolist()) and len(ran) == model.config.moe.top_k
     worst = compare_logits_step_by_step(llm.engine, moe.reference, moe.prompts, 3)
     assert worst < 0.1, f"max |logit difference| {worst}"
 
