@@ -42,10 +42,25 @@ _KV_CACHE_DTYPES = {**_DTYPES, "q8_0": torch.int8}
 
 
 @dataclass
+class MoeConfig:
+    """A mixture-of-experts FFN (models/moe.py): each token's router picks `top_k` of `num_experts`
+    SwiGLU experts (softmax over all experts, then top-k; the k weights renormalised to sum to 1
+    where `norm_topk_prob`, as Mixtral and Qwen3-MoE do, or left as they are, as OLMoE and
+    Qwen2-MoE do)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's FFN width
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert behind a sigmoid gate
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (ModelConfig.intermediate_size)
+
+
+@dataclass
 class ModelConfig:
     """The architecture hyper-parameters a model implementation needs, whatever file they came from."""
 
-    architecture: str  # "llama" (Llama, Mistral, SmolLM, Qwen2, Qwen3) or "gpt2"
+    architecture: str  # "llama" (Llama, Mistral, SmolLM, Qwen2, Qwen3), "moe" (Mixtral, Qwen-MoE, OLMoE) or "gpt2"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -77,6 +92,8 @@ class ModelConfig:
     rotary_dim: int | None = None  # partial rotary (Phi-4-mini): the first dimensions of each head; None: all
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
+    moe: MoeConfig | None = None  # architecture "moe"
+    qk_norm_full: bool = False  # OLMoE: one RMSNorm over all heads of q (and of k), not per head
     # The dtype a Hugging Face checkpoint's weights are stored in ("bfloat16", "float32", ...), which
     # --dtype auto follows on the CPU where it runs fast; None for GGUF files (float32 activations).
     checkpoint_dtype: str | None = None

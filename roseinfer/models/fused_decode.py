@@ -62,6 +62,7 @@ def fused_decoder_for(
         or get_tp_group().size > 1  # the C++ step has no all-reduce between its layers
         or device.type != "cpu"
         or dtype not in (torch.float32, torch.bfloat16)
+        or config.moe is not None  # the C++ step has no router or experts
         or config.hidden_act != "silu"
         or not all(_callable(m, dtype) for m in model.modules() if _is_projection(m))
     ):

@@ -9,11 +9,12 @@ blocks, a permutation of whole rows; the model's own re-interleaving then undoes
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import torch
 
-from roseinfer.config import ModelConfig
+from roseinfer.config import ModelConfig, MoeConfig
 from roseinfer.errors import ModelLoadError
 from roseinfer.layers.quantization import permute_rows
 from roseinfer.layers.quantization.gguf import BlockTensor
@@ -27,7 +28,8 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # queries llama.cpp scales by (hidden / heads) ** -0.5 (its query_pre_attn_scalar) instead of
 # head_dim ** -0.5.
 GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
-SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, *GEMMA, "gpt2", "phi3")
+MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "olmoe")  # and "llama" with experts: Mixtral
+SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, *GEMMA, *MOE_ARCHITECTURES, "gpt2", "phi3")
 _ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _PERMUTED_QK = ("llama", "mistral")
 
@@ -49,6 +51,21 @@ _GEMMA_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Mixture-of-experts layers (models/moe.py): the router, Qwen2-MoE's shared expert and its gate.
+_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+# The experts' 3-D [experts, rows, columns] tensors -> the per-expert projections they hold.
+_EXPERT_TENSORS = {
+    "ffn_gate_exps": ("gate_proj",),
+    "ffn_up_exps": ("up_proj",),
+    "ffn_down_exps": ("down_proj",),
+    "ffn_gate_up_exps": ("gate_proj", "up_proj"),
 }
 _LLAMA_GLOBAL = {
     "token_embd": "model.embed_tokens",
@@ -129,7 +146,7 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         return _gemma_config(gguf, arch, key, common)
     head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
     rotary_dim = meta.get(f"{arch}.rope.dimension_count")
-    return ModelConfig(
+    return _with_experts(gguf, ModelConfig(
         architecture="phi3" if arch == "phi3" else "llama",
         num_kv_heads=int(key("attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -142,7 +159,55 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         # Phi-3's converter writes 0 for "none" (Phi-4).
         sliding_window=meta.get(f"{arch}.attention.sliding_window") or None,
         **common,
+    ))
+
+
+def _with_experts(gguf: GGUFFile, config: ModelConfig) -> ModelConfig:
+    """A mixture-of-experts file's config (architecture "moe"), or `config` where it has no experts."""
+    arch, meta = gguf.architecture, gguf.metadata
+    num_experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if not num_experts:
+        if arch in MOE_ARCHITECTURES:
+            raise ModelLoadError(f"{gguf.path}: metadata key {arch}.expert_count is missing")
+        return config
+    if f"{arch}.expert_used_count" not in meta:
+        raise ModelLoadError(f"{gguf.path}: metadata key {arch}.expert_used_count is missing")
+    # llama.cpp's own choices where the file does not say: Mixtral and Qwen3-MoE renormalise the
+    # chosen experts' weights, Qwen2-MoE and OLMoE do not.
+    norm_topk = meta.get(f"{arch}.expert_weights_norm", arch in ("llama", "qwen3moe"))
+    shared = 0
+    if gguf.has_tensor("blk.0.ffn_up_shexp.weight"):
+        shared = gguf.tensor_shape("blk.0.ffn_up_shexp.weight")[0]
+    # OLMoE normalises the whole of q and of k (a norm of q's width), Qwen3-MoE each head.
+    full_qk_norm = config.qk_norm and gguf.tensor_shape("blk.0.attn_q_norm.weight")[0] != config.head_dim
+    moe = MoeConfig(
+        num_experts=num_experts,
+        top_k=int(meta[f"{arch}.expert_used_count"]),
+        intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length") or config.intermediate_size),
+        norm_topk_prob=bool(norm_topk),
+        shared_expert_intermediate_size=shared,
+        dense_layers=tuple(i for i in range(config.num_layers) if not gguf.has_tensor(f"blk.{i}.ffn_gate_inp.weight")),
     )
+    return dataclasses.replace(
+        config, architecture="moe", moe=moe, qk_norm=config.qk_norm and not full_qk_norm, qk_norm_full=full_qk_norm
+    )
+
+
+def _expert_slices(
+    tensor: torch.Tensor | BlockTensor, shape: tuple[int, ...], layer: str, projections: tuple[str, ...]
+) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
+    """A 3-D [experts, rows, columns] expert tensor as one tensor per expert (and projection, for a
+    fused gate/up), under Hugging Face names: views of the same bytes, blocks kept as they are."""
+    num_experts, rows = shape[0], shape[1]
+    part_rows = rows // len(projections)
+    for expert in range(num_experts):
+        for index, projection in enumerate(projections):
+            start = expert * rows + index * part_rows
+            if isinstance(tensor, BlockTensor):
+                part = tensor.narrow(0, start, part_rows)
+            else:
+                part = tensor.reshape(num_experts * rows, -1)[start:start + part_rows]
+            yield f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight", part
 
 
 def _gemma_config(gguf: GGUFFile, arch: str, key, common: dict) -> ModelConfig:
@@ -236,12 +301,18 @@ def gguf_weights(
         per_layer = _GEMMA_NAMES
     elif arch == "phi3":
         per_layer = PHI3_GGUF_NAMES
+    if config.moe is not None:
+        per_layer = {**per_layer, **_MOE_NAMES}
     layer_prefix = "transformer.h" if arch == "gpt2" else "model.layers"
     for name in gguf.tensor_names():
         if name in _ROPE_FACTOR_TENSORS:
             continue  # part of the rotary scaling in the config
         stem, _, suffix = name.rpartition(".")  # suffix: weight | bias
         parts = stem.split(".")
+        if config.moe is not None and parts[0] == "blk" and len(parts) == 3 and parts[2] in _EXPERT_TENSORS:
+            tensor = gguf.load_tensor(name) if expand else gguf.tensor(name)
+            yield from _expert_slices(tensor, gguf.tensor_shape(name), parts[1], _EXPERT_TENSORS[parts[2]])
+            continue
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in per_layer:
             hf_name = f"{layer_prefix}.{parts[1]}.{per_layer[parts[2]]}.{suffix}"
             module = parts[2]

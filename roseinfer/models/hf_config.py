@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from roseinfer.config import ModelConfig
+from roseinfer.config import ModelConfig, MoeConfig
 from roseinfer.errors import ModelLoadError
 from roseinfer.layers.rotary import ROPE_SCALING_TYPES, rope_scaling_type, unsupported_rope_scaling
 
@@ -17,6 +17,15 @@ _LLAMA_FAMILY = {
     "qwen2": (True, False),
     "qwen3": (False, True),
     "phi3": (False, False),  # Phi-3, Phi-3.5, Phi-4-mini: fused checkpoint tensors (models/phi3.py)
+}
+
+# Mixture-of-experts model_type -> (attention biases, per-head q/k norms, whole-q/k norms,
+# renormalise the top-k router weights by default); see models/moe.py.
+_MOE_FAMILY = {
+    "mixtral": (False, False, False, True),
+    "qwen2_moe": (True, False, False, False),
+    "qwen3_moe": (False, True, False, False),
+    "olmoe": (False, False, True, False),
 }
 
 
@@ -112,6 +121,8 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
         )
     if model_type in _GEMMA:
         return _gemma_config(raw, model_type, path, eos, name)
+    if model_type in _MOE_FAMILY:
+        return _moe_config(raw, model_type, path, eos, name)
     if model_type == "gpt2":
         hidden = raw["n_embd"]
         activation = raw.get("activation_function", "gelu_new")
@@ -134,7 +145,7 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
             name=name,
             checkpoint_dtype=_stored_dtype(raw),
         )
-    supported = sorted([*_LLAMA_FAMILY, *_GEMMA, "gpt2"])
+    supported = sorted([*_LLAMA_FAMILY, *_GEMMA, *_MOE_FAMILY, "gpt2"])
     raise ModelLoadError(
         f"{path}: model_type {model_type!r} is not supported; supported: {supported}"
     )
@@ -198,4 +209,55 @@ def _gemma_config(raw: dict[str, Any], model_type: str, path: Path, eos: list[in
         eos_token_ids=eos,
         name=name,
         checkpoint_dtype=_stored_dtype(raw),
+    )
+
+
+def _moe_config(raw: dict[str, Any], model_type: str, path: Path, eos: list[int], name: str) -> ModelConfig:
+    default_bias, qk_norm, qk_norm_full, default_norm_topk = _MOE_FAMILY[model_type]
+    if raw.get("clip_qkv") is not None:
+        raise ModelLoadError(f"{path}: OLMoE's clip_qkv={raw['clip_qkv']} is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{path}: expert activation {raw['hidden_act']!r} is not supported (silu only)")
+    if raw.get("use_sliding_window") and model_type != "mixtral":
+        raise ModelLoadError(f"{path}: use_sliding_window is not supported for {model_type}")
+    num_layers = raw["num_hidden_layers"]
+    num_experts = raw.get("num_local_experts") or raw["num_experts"]
+    # Qwen-MoE: layers listed in mlp_only_layers, or off the decoder_sparse_step grid, are dense.
+    step = raw.get("decoder_sparse_step") or 1
+    dense = tuple(
+        i for i in range(num_layers) if i in (raw.get("mlp_only_layers") or []) or (i + 1) % step
+    )
+    moe = MoeConfig(
+        num_experts=num_experts,
+        top_k=raw["num_experts_per_tok"],
+        intermediate_size=raw.get("moe_intermediate_size") or raw["intermediate_size"],
+        norm_topk_prob=True if model_type == "mixtral" else bool(raw.get("norm_topk_prob", default_norm_topk)),
+        shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size") or 0,
+        dense_layers=dense,
+    )
+    heads = raw["num_attention_heads"]
+    theta, scaling, _ = _rope(raw, path)
+    return ModelConfig(
+        architecture="moe",
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        intermediate_size=raw["intermediate_size"],
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        attention_bias=raw.get("qkv_bias", raw.get("attention_bias", default_bias)),
+        qk_norm=qk_norm,
+        qk_norm_full=qk_norm_full,
+        hidden_act=raw.get("hidden_act", "silu"),
+        sliding_window=raw.get("sliding_window") if model_type == "mixtral" else None,
+        eos_token_ids=eos,
+        name=name,
+        checkpoint_dtype=_stored_dtype(raw),
+        moe=moe,
     )

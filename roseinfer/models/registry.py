@@ -15,6 +15,7 @@ from roseinfer.layers.rotary import RotaryEmbedding
 from roseinfer.models.gemma import GemmaForCausalLM
 from roseinfer.models.gpt2 import GPT2LMHeadModel
 from roseinfer.models.llama import LlamaForCausalLM
+from roseinfer.models.moe import MoeForCausalLM
 from roseinfer.models.phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -23,6 +24,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "moe": MoeForCausalLM,
 }
 
 

@@ -1,0 +1,209 @@
+"""Mixture-of-experts decoders in plain PyTorch: Mixtral, Qwen2-MoE (with its shared expert),
+Qwen3-MoE, OLMoE. Attention and the block layout are the Llama family's (models/llama.py); the
+MLP of each sparse layer is a router and `num_experts` SwiGLU experts, of which each token runs
+`top_k`.
+
+Each expert is its own pair of linear layers (fused gate/up, down), so the linear-layer machinery
+(layers/linear.py) gives each the kernel of its weight's format: a GGUF file's 3-D `ffn_*_exps`
+tensors are cut into one `BlockTensor` per expert and run in their own blocks, with no float copy.
+The tokens of a step are grouped by the expert they chose and each chosen expert runs one matrix
+product over its group, so a decode step reads only the weights of the experts its tokens chose.
+
+Tensor parallelism is not implemented for these models (refused by name at build time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from roseinfer.config import ModelConfig
+from roseinfer.distributed.parallel_state import get_tp_group
+from roseinfer.errors import ModelLoadError
+from roseinfer.layers.activation import silu_and_mul
+from roseinfer.layers.attention import AttentionMetadata
+from roseinfer.layers.norm import RMSNorm
+from roseinfer.layers.rotary import apply_rotary, interleave_rotary_rows
+from roseinfer.models.llama import LlamaAttention, LlamaForCausalLM
+from roseinfer.models.weights import ModuleLoaded, WeightLoader
+
+
+class GatedMLP(nn.Module):
+    """One SwiGLU FFN (an expert, a shared expert or a dense layer's MLP), unsharded."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ Qwen2-MoE's shared expert behind a sigmoid gate)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.top_k = moe.top_k
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(
+            GatedMLP(config.hidden_size, moe.intermediate_size) for _ in range(moe.num_experts)
+        )
+        self.shared_expert: GatedMLP | None = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(config.hidden_size, moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [tokens, top_k] in x's dtype, expert ids [tokens, top_k]): softmax over all
+        experts in float32, the top k, renormalised to sum to 1 where the model does. (Mixtral's
+        softmax over its top-k logits is the same thing.)"""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
+        out = torch.zeros_like(x)
+        # Group the (token, slot) pairs by expert: one matrix product per expert that was chosen,
+        # in expert order, each adding its weighted output into its tokens' rows.
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        token_of = order // self.top_k
+        weight_of = weights.flatten()[order]
+        start = 0
+        for expert_id, count in enumerate(counts):
+            if not count:
+                continue
+            tokens = token_of[start:start + count]
+            y = self.experts[expert_id](x.index_select(0, tokens))
+            out.index_add_(0, tokens, y * weight_of[start:start + count, None])
+            start += count
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class FullWidthQKNormAttention(LlamaAttention):
+    """OLMoE's attention: one RMSNorm over the whole of q (all heads) and one over the whole of k,
+    before the heads are split, where Qwen3 normalises each head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(dataclasses.replace(config, qk_norm=False))
+        self.q_norm_full = RMSNorm(self.q_size, config.norm_eps)
+        self.k_norm_full = RMSNorm(self.kv_size, config.norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, rotations: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm_full(q.contiguous()).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_norm_full(k.contiguous()).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, rotations), apply_rotary(k, rotations)
+        out = self.attn(q, k, v, kv_cache, meta)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+# Checkpoint spellings -> ours ("mlp.experts.{e}.{gate,up,down}_proj", "mlp.gate").
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _canonical_names(
+    weights: Iterable[tuple[str, object]],
+) -> Iterator[tuple[str, object]]:
+    """Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2` and transformers 5's stacked
+    `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj` [E, H, I] as one tensor per
+    expert under Qwen/OLMoE names."""
+    for name, tensor in weights:
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        parts = name.split(".")
+        if len(parts) >= 3 and parts[-3].isdigit() and parts[-4:-3] == ["experts"] and parts[-2] in _MIXTRAL_EXPERT:
+            parts[-2] = _MIXTRAL_EXPERT[parts[-2]]
+            name = ".".join(parts)
+        prefix, _, leaf = name.rpartition(".experts.")
+        if leaf in ("gate_up_proj", "down_proj") and isinstance(tensor, torch.Tensor) and tensor.dim() == 3:
+            for expert_id in range(tensor.shape[0]):
+                if leaf == "down_proj":
+                    yield f"{prefix}.experts.{expert_id}.down_proj.weight", tensor[expert_id]
+                else:
+                    gate, up = tensor[expert_id].chunk(2, dim=0)
+                    yield f"{prefix}.experts.{expert_id}.gate_proj.weight", gate
+                    yield f"{prefix}.experts.{expert_id}.up_proj.weight", up
+            continue
+        yield name, tensor
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """A Llama-family decoder whose MLPs are `SparseMoeBlock`s, except in `moe.dense_layers`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        if config.moe is None:
+            raise ModelLoadError("a mixture-of-experts model needs its expert configuration (ModelConfig.moe)")
+        if get_tp_group().size > 1:
+            raise ModelLoadError(
+                "tensor parallelism is not supported for mixture-of-experts models "
+                f"({config.name or 'this model'}); run it with --tensor-parallel-size 1"
+            )
+        super().__init__(config)
+        for index, layer in enumerate(self.model.layers):
+            if config.qk_norm_full:
+                layer.self_attn = FullWidthQKNormAttention(config)
+            if index in config.moe.dense_layers:
+                layer.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+            else:
+                layer.mlp = SparseMoeBlock(config)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], on_module_loaded: ModuleLoaded | None = None
+    ) -> None:
+        """Hugging Face-named tensors (one per expert, see `_canonical_names`), with q/k/v and
+        every gate/up pair fused and q/k rows (and q/k norms) in the interleaved rotary layout."""
+        config = self.config
+        attn = self.model.layers[0].self_attn
+        loader = WeightLoader(self, on_module_loaded)
+        for name, tensor in _canonical_names(weights):
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            module = parts[-2] if len(parts) > 1 else ""
+            if module == "q_proj":
+                tensor = interleave_rotary_rows(tensor, config.num_heads)
+            elif module == "k_proj":
+                tensor = interleave_rotary_rows(tensor, config.num_kv_heads)
+            elif module in ("q_norm", "k_norm"):
+                # Per head (Qwen3-MoE) or over all heads (OLMoE): the same reordering per head.
+                heads = 1 if not config.qk_norm_full else config.num_heads if module == "q_norm" else config.num_kv_heads
+                tensor = interleave_rotary_rows(tensor, heads)
+                if config.qk_norm_full:
+                    parts[-2] = f"{module}_full"
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                tensor = self.vocab.of(tensor)
+            if module in ("q_proj", "k_proj", "v_proj"):
+                first = {"q_proj": 0, "k_proj": attn.q_size, "v_proj": attn.q_size + attn.kv_size}[module]
+                parts[-2] = "qkv_proj"
+                loader.load_rows(".".join(parts), tensor, first)
+            elif module in ("gate_proj", "up_proj"):
+                owner = self.get_submodule(".".join(parts[:-2]))
+                parts[-2] = "gate_up_proj"
+                loader.load_rows(".".join(parts), tensor, 0 if module == "gate_proj" else owner.intermediate_size)
+            else:
+                loader.load(".".join(parts), tensor)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+            loader.mark_loaded("lm_head.weight")
+        loader.check_complete()

@@ -1,0 +1,171 @@
+"""Mixture-of-experts models (models/moe.py): tiny random Qwen3-MoE, Qwen2-MoE (shared expert),
+OLMoE and Mixtral built by transformers' own classes, saved as Hugging Face directories and converted
+to GGUF by llama.cpp's own converter; roseinfer's greedy tokens equal transformers' float32 ones
+and its logits are within float32 tolerance, from both files."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hf_to_gguf import convert_hf_to_gguf, write_default_tokenizer
+from support import EXACT, compare_logits_step_by_step
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.errors import InvalidRequestError
+from roseinfer.models.fused_decode import fused_decoder_for
+from roseinfer.models.moe import SparseMoeBlock
+
+TOKENS = 32
+TOLERANCE = 1e-3  # float32 logits
+# Four prompts of different lengths (one past a KV block, one a single token).
+PROMPT_LENGTHS = (1, 5, 19, 40)
+
+
+def _config(kind: str, vocab: int):
+    import transformers
+
+    common = dict(
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=0, bos_token_id=0,
+    )
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+            intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=True, head_dim=16, rope_theta=1000000.0, **common)
+    if kind == "qwen2_moe":  # a shared expert behind a sigmoid gate; top-k weights not renormalised
+        return transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
+            intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
+            num_experts_per_tok=2, norm_topk_prob=False, rope_theta=1000000.0, **common)
+    if kind == "olmoe":  # q/k norms over all heads; top-k weights not renormalised
+        return transformers.OlmoeForCausalLM, transformers.OlmoeConfig(
+            intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, **common)
+    if kind == "mixtral":
+        return transformers.MixtralForCausalLM, transformers.MixtralConfig(
+            intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, **common)
+    raise ValueError(kind)
+
+
+class TinyMoe:
+    """A tiny random model of one kind: its transformers reference, HF directory and GGUF file
+    (float32, or Q8_0 blocks)."""
+
+    def __init__(self, kind: str, root: Path, outtype: str = "f32") -> None:
+        self.hf_dir = root / kind
+        vocab = write_default_tokenizer(self.hf_dir)
+        model_class, config = _config(kind, vocab)
+        config.initializer_range = 0.1  # larger weights than the default: logits that differ more
+        torch.manual_seed(0)
+        self.reference = model_class(config).eval()
+        self.reference.save_pretrained(self.hf_dir)
+        self.gguf = convert_hf_to_gguf(self.hf_dir, root / f"{kind}-{outtype}.gguf", outtype)
+        generator = torch.Generator().manual_seed(1)
+        self.prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+        self.expected = [self._greedy(prompt) for prompt in self.prompts]
+
+    @torch.no_grad()
+    def _greedy(self, prompt: list[int]) -> list[int]:
+        """transformers' greedy continuation, end-of-text included like any other token."""
+        ids = torch.tensor([prompt])
+        for _ in range(TOKENS):
+            ids = torch.cat([ids, self.reference(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return ids[0, len(prompt):].tolist()
+
+
+# Each conversion takes a while on a loaded machine: one file per kind, Qwen2-MoE's in Q8_0 blocks.
+OUTTYPES = {"qwen3_moe": "f32", "olmoe": "f32", "mixtral": "f32", "qwen2_moe": "q8_0"}
+_BUILT: dict[str, TinyMoe] = {}
+
+
+def built(kind: str, tmp_path_factory) -> TinyMoe:
+    if kind not in _BUILT:
+        _BUILT[kind] = TinyMoe(kind, tmp_path_factory.mktemp("moe"), OUTTYPES[kind])
+    return _BUILT[kind]
+
+
+@pytest.fixture(scope="module", params=[kind for kind, outtype in OUTTYPES.items() if outtype == "f32"])
+def tiny_moe(request, tmp_path_factory) -> TinyMoe:
+    return built(request.param, tmp_path_factory)
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_greedy_tokens_and_logits_match_transformers(tiny_moe, source):
+    path = tiny_moe.hf_dir if source == "hf" else tiny_moe.gguf
+    llm = LLM(str(path), num_kv_blocks=64, **EXACT)
+    model = llm.engine.runner.model
+    assert any(isinstance(m, SparseMoeBlock) for m in model.modules())
+    assert _greedy(llm, tiny_moe.prompts) == tiny_moe.expected
+    worst = compare_logits_step_by_step(llm.engine, tiny_moe.reference, tiny_moe.prompts, 3)
+    assert worst < TOLERANCE, f"max |logit difference| {worst}"
+    # The C++ Llama decode step has no router: it must not take these models over.
+    runner = llm.engine.runner
+    assert fused_decoder_for(model, runner.model_config, runner.dtype, runner.device) is None
+
+
+def test_shared_expert_from_hf_and_from_q8_0_blocks(tmp_path_factory):
+    """Qwen2-MoE (a shared expert behind a sigmoid gate): exact from its HF directory; from a Q8_0
+    GGUF every expert runs its own slice of the file's 3-D blocks (no float copy) with logits close
+    to the float32 model's."""
+    from roseinfer.layers.linear import BlockLinear
+
+    moe = built("qwen2_moe", tmp_path_factory)
+    llm = LLM(str(moe.hf_dir), num_kv_blocks=64, **EXACT)
+    assert _greedy(llm, moe.prompts) == moe.expected
+    assert compare_logits_step_by_step(llm.engine, moe.reference, moe.prompts, 3) < TOLERANCE
+
+    llm = LLM(str(moe.gguf), num_kv_blocks=64)
+    model = llm.engine.runner.model
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    experts = [expert for block in blocks for expert in block.experts]
+    assert experts and all(isinstance(e.gate_up_proj, BlockLinear) and isinstance(e.down_proj, BlockLinear)
+                           for e in experts)
+    assert all(block.shared_expert is not None for block in blocks)
+    # One token (a decode step's row) runs exactly the experts its router chose, no others.
+    ran: list[int] = []
+    for index, expert in enumerate(blocks[0].experts):
+        expert.register_forward_hook(lambda *_, index=index: ran.append(index))
+    x = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    _, chosen = blocks[0].route(x)
+    blocks[0](x)
+    assert sorted(ran) == sorted(chosen[0].tolist()) and len(ran) == model.config.moe.top_k
+    worst = compare_logits_step_by_step(llm.engine, moe.reference, moe.prompts, 3)
+    assert worst < 0.1, f"max |logit difference| {worst}"
+
+
+def test_chunked_prefill_and_preemption_give_the_same_tokens(tmp_path_factory):
+    moe = built("qwen3_moe", tmp_path_factory)
+    # A 16-token budget splits every longer prompt into chunks mixed with other requests' decodes,
+    # and a pool of 12 blocks of 16 cannot hold the four requests at full length together.
+    llm = LLM(str(moe.gguf), num_kv_blocks=12, max_num_batched_tokens=16, max_num_seqs=4, **EXACT)
+    assert _greedy(llm, moe.prompts) == moe.expected
+    engine = llm.engine
+    assert engine.scheduler.stats.num_preemptions > 0, "the pool was meant to be too small"
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_tensor_parallelism_is_refused_by_name(tmp_path_factory):
+    moe = built("qwen3_moe", tmp_path_factory)
+    with pytest.raises(InvalidRequestError, match="tensor parallelism is not supported for mixture-of-experts"):
+        LLM(str(moe.gguf), tensor_parallel_size=2, num_kv_blocks=16)
+
+
+def test_stacked_expert_tensors_load(tmp_path_factory, tmp_path):
+    """transformers 5 holds each layer's experts as two 3-D tensors (`mlp.experts.gate_up_proj`
+    [experts, 2 x width, hidden], `mlp.experts.down_proj`); a checkpoint saved from that state dict
+    loads as the per-expert one does."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    moe = built("mixtral", tmp_path_factory)
+    state = {name: tensor.contiguous() for name, tensor in moe.reference.state_dict().items()}
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
+    shutil.copytree(moe.hf_dir, tmp_path / "stacked")
+    save_file(state, tmp_path / "stacked" / "model.safetensors")
+    llm = LLM(str(tmp_path / "stacked"), num_kv_blocks=64, **EXACT)
+    assert _greedy(llm, moe.prompts) == moe.expected
