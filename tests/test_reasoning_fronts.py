@@ -158,3 +158,21 @@ def test_messages_refuse_a_budget_beyond_max_tokens_and_adaptive_thinking(claude
     with pytest.raises(anthropic.BadRequestError) as adaptive:
         claude.messages.create(**messages_args(thinking={"type": "adaptive"}))
     assert "adaptive" in adaptive.value.body["error"]["message"]
+
+
+def test_thinking_off_is_the_chat_routes_enable_thinking_false(client, claude):
+    """effort "minimal" and thinking disabled are the template's enable_thinking=false (which this
+    thinking-only template ignores: the model still thinks, and both fronts split it as chat does)."""
+    message = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=MAX_TOKENS,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    thinking = (message.model_extra or {}).get("reasoning_content")
+    assert thinking
+
+    response = client.responses.create(**responses_args(reasoning={"effort": "minimal"}, extra_body={}))
+    assert response.output[0].type == "reasoning" and response.output[0].content[0].text == thinking
+    assert response.output_text == (message.content or "")
+
+    reply = claude.messages.create(**messages_args(thinking={"type": "disabled"}))
+    assert reply.content[0].type == "thinking" and reply.content[0].thinking == thinking
+    assert "".join(block.text for block in reply.content if block.type == "text") == (message.content or "")
