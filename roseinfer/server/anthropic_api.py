@@ -127,13 +127,14 @@ def register_anthropic_api(app: FastAPI, serving: OpenAIServing, check_model: Ca
     engine = serving.engine
     router = APIRouter(tags=["Anthropic Messages"])
     generation_errors = _errors(400, 401, 404, 408, 413, 500, 503)
+    reasoning = serving.reasoning_parser is not None  # whether thinking can be enabled
 
     @router.post(PATH_PREFIX, responses=_streamed_message() | generation_errors)
     async def messages(body: MessagesRequest, request: Request) -> Response:
         """Anthropic's Messages API (its official clients work against this server)."""
         check_model(body.model)
         try:
-            requests, tool_calling = serving.chat_requests(chat_request(body, serving.tool_call_parser))
+            requests, tool_calling = serving.chat_requests(chat_request(body, serving.tool_call_parser, reasoning))
             submitted = await serving.submit(PATH_PREFIX, "msg", requests, 1, tool_calling)
         except InvalidRequestError as exc:
             raise in_anthropic_terms(exc) from exc
@@ -147,7 +148,7 @@ def register_anthropic_api(app: FastAPI, serving: OpenAIServing, check_model: Ca
         """The prompt tokens a Messages request with these messages, system prompt and tools
         would feed the model (its chat template applied)."""
         check_model(body.model)
-        prompt = prompt_of(chat_request(body, serving.tool_call_parser), serving)
+        prompt = prompt_of(chat_request(body, serving.tool_call_parser, reasoning), serving)
         _, ids = await asyncio.get_running_loop().run_in_executor(None, engine.input_processor.tokenize, prompt)
         return TokenCount(input_tokens=len(ids))
 

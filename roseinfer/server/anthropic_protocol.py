@@ -202,13 +202,23 @@ class ThinkingDisabled(AnthropicRequestModel):
     type: Literal["disabled"]
 
 
+class ThinkingEnabled(AnthropicRequestModel):
+    """Extended thinking: with --reasoning-parser, `budget_tokens` becomes the request's
+    thinking_token_budget (the thinking is closed after that many tokens). Anthropic's minimum of
+    1024 is not enforced: small models think in fewer."""
+
+    type: Literal["enabled"]
+    budget_tokens: Annotated[int, Field(ge=0)]
+
+
 class JsonOutputFormat(AnthropicRequestModel):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
 class OutputConfig(AnthropicRequestModel):
-    UNSUPPORTED: ClassVar[dict[str, str]] = {"effort": "this model does not reason; leave effort out"}
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "effort": "effort is not supported; with --reasoning-parser, bound the thinking with thinking.budget_tokens"}
 
     format: JsonOutputFormat | None = None
 
@@ -217,8 +227,10 @@ class Metadata(AnthropicRequestModel):
     user_id: str | None = None
 
 
-_THINKING = ('thinking needs a server with a reasoning parser, which this one does not have; leave thinking '
-             'out or send {"type": "disabled"}')
+THINKING_NEEDS_PARSER = ('thinking: enabled thinking needs a server started with --reasoning-parser, which this '
+                         'one was not; leave thinking out or send {"type": "disabled"}')
+_ADAPTIVE = ('thinking of type "adaptive" is not supported; send {"type": "enabled", "budget_tokens": N} '
+             '(with a server started with --reasoning-parser) or {"type": "disabled"}')
 # Fields Anthropic defines that would change the output and are not implemented: field -> why.
 UNSUPPORTED_FIELDS = {
     "container": "code-execution containers are not supported",
@@ -247,7 +259,7 @@ class CountTokensRequest(AnthropicRequestModel):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    thinking: ThinkingDisabled | None = None
+    thinking: Annotated[ThinkingDisabled | ThinkingEnabled, Field(discriminator="type")] | None = None
     output_config: OutputConfig | None = None
     cache_control: CacheControl | None = None
 
@@ -258,9 +270,10 @@ class CountTokensRequest(AnthropicRequestModel):
 
     @field_validator("thinking", mode="before")
     @classmethod
-    def _thinking_disabled(cls, value: Any) -> Any:
-        if isinstance(value, dict) and value.get("type") in ("enabled", "adaptive"):
-            raise ValueError(_THINKING)
+    def _thinking_not_adaptive(cls, value: Any) -> Any:
+        # "enabled" is checked against the server (a reasoning parser) where the request is served.
+        if isinstance(value, dict) and value.get("type") == "adaptive":
+            raise ValueError(_ADAPTIVE)
         return value
 
     def system_text(self) -> str | None:
@@ -294,7 +307,16 @@ class ToolUseContent(BaseModel):
     input: dict[str, Any]
 
 
-OutputContent = Annotated[TextContent | ToolUseContent, Field(discriminator="type")]
+class ThinkingContent(BaseModel):
+    """The model's thinking (a reasoning parser's split). Nothing here signs it: the signature is
+    empty, and a thinking block sent back is read whatever its signature."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
+OutputContent = Annotated[TextContent | ToolUseContent | ThinkingContent, Field(discriminator="type")]
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
@@ -345,10 +367,15 @@ class InputJsonDelta(BaseModel):
     partial_json: str
 
 
+class ThinkingDelta(BaseModel):
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
 class ContentBlockDeltaEvent(BaseModel):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    delta: Annotated[TextDelta | InputJsonDelta, Field(discriminator="type")]
+    delta: Annotated[TextDelta | InputJsonDelta | ThinkingDelta, Field(discriminator="type")]
 
 
 class ContentBlockStopEvent(BaseModel):

@@ -3,10 +3,11 @@ chat completion request it means (system prompt, content blocks, tool_use / tool
 tool_choice, sampling fields), which goes through the same engine path as /v1/chat/completions;
 the output becomes a Message, or the typed events of a streamed one.
 
-Where thinking will come in: once the engine reports a response's reasoning apart from its answer
-(`reasoning_content`, from a --reasoning-parser), `message()` puts a thinking block before the
-answer's blocks and `message_stream()` feeds the reasoning pieces to `ContentBlocks.thinking` (a
-sibling of `text`) before the answer's pieces; nothing else here changes.
+Thinking (a server started with --reasoning-parser): the parser splits the output into thinking
+and answer; `message()` puts a thinking block before the answer's blocks, `message_stream()` feeds
+the thinking to `ContentBlocks.thinking` (thinking_delta events) before the answer's pieces.
+`thinking: {"type": "enabled", "budget_tokens": N}` is the chat request's thinking_token_budget,
+`{"type": "disabled"}` the template's enable_thinking=false; without a parser "enabled" is a 400.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from pydantic import BaseModel, ValidationError
 from roseinfer.errors import InvalidRequestError
 from roseinfer.input_processor import ChatPrompt
 from roseinfer.outputs import CompletionOutput
+from roseinfer.reasoning import ReasoningDelta, ReasoningStream
 from roseinfer.server.anthropic_protocol import (
+    THINKING_NEEDS_PARSER,
     AnthropicErrorInfo,
     AnthropicErrorResponse,
     ContentBlockDeltaEvent,
@@ -43,6 +46,10 @@ from roseinfer.server.anthropic_protocol import (
     StopReason,
     TextContent,
     TextDelta,
+    ThinkingContent,
+    ThinkingDelta,
+    ThinkingDisabled,
+    ThinkingEnabled,
     ToolChoiceAny,
     ToolChoiceAuto,
     ToolChoiceNone,
@@ -151,9 +158,29 @@ def _tool_choice(body: CountTokensRequest, tool_call_parser: str | None) -> tupl
     return "auto", True
 
 
-def chat_request(body: CountTokensRequest, tool_call_parser: str | None) -> ChatCompletionRequest:
-    """The chat completion request that `body` means (a count_tokens request: its prompt only)."""
-    fields: dict[str, Any] = {"model": body.model, "messages": _chat_messages(body)}
+def _thinking(body: CountTokensRequest, reasoning: bool) -> dict[str, Any]:
+    """The chat request's fields for `thinking` (`reasoning`: the server has a reasoning parser)."""
+    if isinstance(body.thinking, ThinkingEnabled):
+        if not reasoning:
+            raise InvalidRequestError(THINKING_NEEDS_PARSER, "thinking")
+        if not isinstance(body, MessagesRequest):
+            return {}  # the budget does not change the prompt
+        if body.thinking.budget_tokens >= body.max_tokens:
+            raise InvalidRequestError(
+                f"thinking.budget_tokens ({body.thinking.budget_tokens}) must be less than max_tokens "
+                f"({body.max_tokens}), which counts the thinking too", "thinking.budget_tokens")
+        return {"thinking_token_budget": body.thinking.budget_tokens}
+    if isinstance(body.thinking, ThinkingDisabled) and reasoning:
+        # What a hybrid thinking template (Qwen3's) reads; a template without the switch ignores it.
+        return {"chat_template_kwargs": {"enable_thinking": False}}
+    return {}
+
+
+def chat_request(body: CountTokensRequest, tool_call_parser: str | None,
+                 reasoning: bool = False) -> ChatCompletionRequest:
+    """The chat completion request that `body` means (a count_tokens request: its prompt only);
+    `reasoning`: the server has a reasoning parser."""
+    fields: dict[str, Any] = {"model": body.model, "messages": _chat_messages(body), **_thinking(body, reasoning)}
     if body.tools:
         fields["tools"] = [{"type": "function", "function": {
             "name": tool.name, "description": tool.description, "parameters": tool.input_schema, "strict": tool.strict,
@@ -258,6 +285,13 @@ class ContentBlocks:
             events.append(ContentBlockDeltaEvent(index=self.index, delta=InputJsonDelta(partial_json=piece.arguments)))
         return events
 
+    def thinking(self, text: str) -> list[BaseModel]:
+        if not text:
+            return []
+        events = self._start(("thinking", 0), ThinkingContent(thinking=""))
+        events.append(ContentBlockDeltaEvent(index=self.index, delta=ThinkingDelta(thinking=text)))
+        return events
+
     def close(self) -> list[BaseModel]:
         if self._open is None:
             return []
@@ -286,16 +320,23 @@ class AnthropicServing:
     async def message(self, body: MessagesRequest, submitted: Submitted) -> MessageResponse:
         (output,) = await self.serving._final_outputs(submitted)
         completion = output.outputs[0]
-        text, calls = completion.text, []
+        text: str | None = completion.text
+        calls: list[ToolCall] = []
+        thinking: list[OutputContent] = []
+        parser = self.serving.reasoning_parser
+        if parser is not None:  # tool calls are read from the answer only
+            split = parser.split(completion.text, output.prompt)
+            text = split.content or ""
+            thinking = [ThinkingContent(thinking=split.reasoning)] if split.reasoning else []
         if submitted.tool_calling is not None:
-            text, calls = submitted.tool_calling.extract(completion.text)
+            text, calls = submitted.tool_calling.extract(text or "")
         tool_blocks, leftover = _tool_use_blocks(calls)
         text = (text or "") + leftover
-        content: list[OutputContent] = [TextContent(text=text)] if text or not tool_blocks else []
+        content: list[OutputContent] = [TextContent(text=text)] if text or not (tool_blocks or thinking) else []
         stop_reason, stop_sequence = _stop(completion, bool(tool_blocks))
         submitted.log()
         return MessageResponse(
-            id=_message_id(submitted), model=self.serving.model_name, content=content + tool_blocks,
+            id=_message_id(submitted), model=self.serving.model_name, content=thinking + content + tool_blocks,
             stop_reason=stop_reason, stop_sequence=stop_sequence,
             usage=MessageUsage(input_tokens=len(output.prompt_token_ids), output_tokens=submitted.completion_tokens),
         )
@@ -303,6 +344,8 @@ class AnthropicServing:
     async def message_stream(self, body: MessagesRequest, submitted: Submitted) -> AsyncIterator[str]:
         blocks = ContentBlocks()
         tools = submitted.tool_calling.stream() if submitted.tool_calling is not None else None
+        parser = self.serving.reasoning_parser
+        reasoning: ReasoningStream | None = None
         last: CompletionOutput | None = None
         async for output in self.serving._outputs(submitted):
             completion = output.outputs[0]
@@ -313,13 +356,23 @@ class AnthropicServing:
                 events.append(MessageStartEvent(message=MessageResponse(
                     id=_message_id(submitted), model=self.serving.model_name, content=[],
                     usage=MessageUsage(input_tokens=len(output.prompt_token_ids), output_tokens=0))))
-                if tools is None:  # a plain answer: its text block opens at once, as Anthropic's does
+                if parser is not None:
+                    reasoning = parser.stream(output.prompt)
+                elif tools is None:  # a plain answer: its text block opens at once, as Anthropic's does
                     events += blocks.text("", even_empty=True)
             last = completion
+            answer = completion.text
+            if reasoning is not None:  # the thinking first; tool calls are read from the answer only
+                split = reasoning.feed(answer)
+                if completion.finished:
+                    tail = reasoning.finish()
+                    split = ReasoningDelta(split.reasoning + tail.reasoning, split.content + tail.content)
+                events += blocks.thinking(split.reasoning)
+                answer = split.content
             if tools is None:
-                events += blocks.text(completion.text)
+                events += blocks.text(answer)
             else:
-                for piece in tools.feed(completion.text) + (tools.finish() if completion.finished else []):
+                for piece in tools.feed(answer) + (tools.finish() if completion.finished else []):
                     events += blocks.text(piece.text) if isinstance(piece, ContentDelta) else blocks.tool_call(piece)
             for event in events:
                 yield _event(event)

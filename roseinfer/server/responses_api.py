@@ -24,6 +24,8 @@ from roseinfer.engine.async_llm import NewRequest
 from roseinfer.errors import InvalidRequestError
 from roseinfer.input_processor import ChatPrompt
 from roseinfer.outputs import CompletionOutput
+from roseinfer.reasoning import ReasoningDelta, ReasoningStream
+from roseinfer.reasoning.base import Phase
 from roseinfer.server.app import ApiError, _unless_disconnected
 from roseinfer.server.error_responses import GenerationError, error_type, status_of
 from roseinfer.server.openapi import errors
@@ -120,6 +122,17 @@ def text_constraint(body: ResponsesRequest) -> StructuredOutputsParams | None:
     return constraint
 
 
+def _thinking_kwargs(body: ResponsesRequest, reasoning: bool) -> dict[str, Any] | None:
+    """The chat template's kwargs for `reasoning` (`reasoning`: the server has a reasoning parser)."""
+    if body.reasoning is None:
+        return None
+    if not reasoning:
+        raise InvalidRequestError("reasoning needs a server started with --reasoning-parser, which this one "
+                                  "was not; leave reasoning out", "reasoning")
+    # Read by hybrid thinking templates (Qwen3's); one without the switch ignores it.
+    return {"enable_thinking": False} if body.reasoning.thinking_off else None
+
+
 def _chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request whose tool calling and sampling this response shares."""
     tools = [ToolDefinition(function=FunctionDefinition(
@@ -132,7 +145,7 @@ def _chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCo
         return ChatCompletionRequest(
             messages=messages, tools=tools, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls,
             max_completion_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
-            stream=body.stream,
+            stream=body.stream, thinking_token_budget=body.thinking_token_budget,
         )
     except ValidationError as exc:  # the input items made a message the chat shapes refuse
         raise InvalidRequestError(f"input: {exc.errors()[0]['msg']}", "input") from exc
@@ -165,8 +178,9 @@ class ResponsesServing:
                 raise InvalidRequestError('tool_choice "required" or a named function already constrains the '
                                           "output; leave text.format out (or of type text)", "text.format")
             constraint = tool_calling.structured_outputs
+        kwargs = _thinking_kwargs(body, self.serving.reasoning_parser is not None)
         prompt = ChatPrompt(messages, tools=[tool.model_dump(exclude_none=True) for tool in chat.tools]
-                            if chat.tools else None)
+                            if chat.tools else None, chat_template_kwargs=kwargs)
         params = sampling_params(chat, body.max_output_tokens, None, constraint)
         return conversation, NewRequest(new_id("resp"), prompt, params), tool_calling
 
@@ -207,13 +221,17 @@ class ResponsesServing:
         submitted.log()
         return response
 
+    def _reasoning(self, prompt: str | None) -> ReasoningStream | None:
+        parser = self.serving.reasoning_parser
+        return parser.stream(prompt) if parser is not None else None
+
     async def create(self, body: ResponsesRequest, submitted: Submitted,
                      conversation: list[dict[str, Any]]) -> dict[str, Any]:
         (output,) = await self.serving._final_outputs(submitted)
         completion = output.outputs[0]
         builder = OutputBuilder()
         tools = submitted.tool_calling.stream() if submitted.tool_calling is not None else None
-        _feed(builder, tools, completion, finished=True)
+        _feed(builder, tools, self._reasoning(output.prompt), completion, finished=True)
         status = _status(completion)
         builder.close(status)
         return self._finish(body, submitted, conversation, status, builder)
@@ -235,11 +253,14 @@ class ResponsesServing:
             yield sse({"type": "response.in_progress", "response": started})
             tools = submitted.tool_calling.stream() if submitted.tool_calling is not None else None
             status = "completed"
+            reasoning: ReasoningStream | None = None
             async for output in self.serving._outputs(submitted):
                 for completion in output.outputs:
                     if completion.error is not None:
                         raise GenerationError(f"generation failed: {completion.error}")
-                    for event in _feed(builder, tools, completion, finished=completion.finished):
+                    if reasoning is None:
+                        reasoning = self._reasoning(output.prompt)
+                    for event in _feed(builder, tools, reasoning, completion, finished=completion.finished):
                         yield sse(event)
                     if completion.finished:
                         status = _status(completion)
@@ -262,14 +283,26 @@ def _status(completion: CompletionOutput) -> str:
     return "incomplete" if completion.finish_reason == "length" else "completed"
 
 
-def _feed(builder: OutputBuilder, tools: ToolCallStream | None, completion: CompletionOutput,
-          finished: bool) -> list[Event]:
-    """The events of what `completion` adds. The place for a reasoning parser's output: once
-    CompletionOutput carries `reasoning_content`, `builder.reasoning(...)` of it goes first here."""
+def _feed(builder: OutputBuilder, tools: ToolCallStream | None, reasoning: ReasoningStream | None,
+          completion: CompletionOutput, finished: bool) -> list[Event]:
+    """The events of what `completion` adds: with a reasoning parser the thinking first (the
+    reasoning item), then the answer, from which alone tool calls are read."""
+    events: list[Event] = []
+    text = completion.text
+    if reasoning is not None:
+        split = reasoning.feed(text)
+        if finished:
+            tail = reasoning.finish()
+            split = ReasoningDelta(split.reasoning + tail.reasoning, split.content + tail.content)
+        if split.reasoning:
+            events += builder.reasoning(split.reasoning)
+        text = split.content
+        if not text and reasoning.phase != Phase.ANSWERING:
+            return events  # no answer yet: its message item opens once the thinking has ended
     if tools is None:
-        return builder.text(completion.text)  # the message item opens with the response, as OpenAI's does
-    pieces = tools.feed(completion.text) + (tools.finish() if finished else [])
-    return [event for piece in pieces for event in builder.delta(piece)]
+        return events + builder.text(text)  # the message item opens with the answer, as OpenAI's does
+    pieces = tools.feed(text) + (tools.finish() if finished else [])
+    return events + [event for piece in pieces for event in builder.delta(piece)]
 
 
 # -- the routes -----------------------------------------------------------------------------

@@ -9,8 +9,8 @@ closes that item and opens the next, so items come out in the order the model wr
     text       -> {"type": "message", "content": [{"type": "output_text", ...}]}
     tool call  -> {"type": "function_call", "call_id", "name", "arguments"}
 
-Reasoning: nothing feeds `reasoning()` yet; once the engine's outputs carry a reasoning parser's
-`reasoning_content`, the route feeds it here before the answer text (see ResponsesServing._feed).
+Reasoning: with --reasoning-parser the route feeds the parser's thinking here before the answer
+text (see responses_api._feed).
 
 A whole response is built by the same pieces as a stream, so the two cannot disagree.
 """

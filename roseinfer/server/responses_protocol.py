@@ -3,7 +3,7 @@ server implements it.
 
 As on the chat route, a request field that is not declared is a 400 naming it. The API's fields
 that would change the output and are not implemented (built-in tools, `background`,
-`conversation`, `reasoning`, ...) are declared and accept only their "off" value (null, false, an
+`conversation`, ...) are declared and accept only their "off" value (null, false, an
 empty list), so a request that asks for them is a 400 that names the field and says why.
 """
 
@@ -28,7 +28,6 @@ from roseinfer.server.protocol import MAX_NESTING_DEPTH, StrictModel, nesting_de
 UNSUPPORTED_RESPONSE_FIELDS = {
     "background": "background responses are not supported; leave background out or false",
     "conversation": "conversations are not supported; continue with previous_response_id",
-    "reasoning": "this server has no reasoning parser for the model; leave reasoning out",
     "include": "no extra output data (include) is available here; leave include out or empty",
     "prompt": "prompt templates are not supported; send input and instructions",
     "max_tool_calls": "max_tool_calls is not supported; use parallel_tool_calls: false for one call",
@@ -179,6 +178,27 @@ class TextConfig(StrictModel):
         return fmt
 
 
+class ReasoningConfig(StrictModel):
+    """`reasoning` (needs a server started with --reasoning-parser; checked where it is served)."""
+
+    # "none"/"minimal": no thinking (the template's enable_thinking=false); the other levels have
+    # nothing to map onto here, so they are refused (thinking_token_budget bounds the thinking).
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; no summary is written
+
+    @field_validator("effort")
+    @classmethod
+    def _off_only(cls, effort: str | None) -> str | None:
+        if effort not in (None, "none", "minimal"):
+            raise ValueError(f'effort {effort!r} is not supported: only "none" or "minimal" (no thinking); '
+                             "bound the thinking with thinking_token_budget instead")
+        return effort
+
+    @property
+    def thinking_off(self) -> bool:
+        return self.effort in ("none", "minimal")
+
+
 class StreamOptions(StrictModel):
     include_obfuscation: bool | None = None  # padding against side channels: nothing to pad here
 
@@ -233,10 +253,13 @@ class ResponsesRequest(StrictModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     service_tier: str | None = None
+    # With --reasoning-parser (else a 400): the thinking's settings; ours, as on the chat route:
+    # the most tokens the thinking may take before it is closed.
+    reasoning: ReasoningConfig | None = None
+    thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
     # Refused unless "off" (see UNSUPPORTED_RESPONSE_FIELDS).
     background: bool | None = None
     conversation: Any = None
-    reasoning: Any = None
     include: list[Any] | None = None
     prompt: Any = None
     max_tool_calls: Any = None
