@@ -219,6 +219,12 @@ assert QWEN3_THINKING_CHAT_TEMPLATE != QWEN3_CHAT_TEMPLATE
 QWEN3_MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 
 
+# A live server on the tiny thinking Qwen3 (tiny_qwen3_thinking_model) with the qwen3 reasoning parser.
+THINKING_MODEL = "tiny-qwen3-thinking"
+THINKING_SERVER_FLAGS = ("--served-model-name", THINKING_MODEL, "--reasoning-parser", "qwen3", "--max-model-len", "1024",
+                         "--num-kv-blocks", "160", *EXACT_FLAGS)
+
+
 def tiny_qwen3_thinking_model(path: Path, chat_template: str = QWEN3_CHAT_TEMPLATE, seed: int = 0) -> torch.nn.Module:
     """A tiny random Qwen3 model directory whose tokenizer has Qwen3's markup tokens (`<think>`
     and `</think>` single added tokens) and Qwen3's chat template, with `<|im_end|>` its EOS."""

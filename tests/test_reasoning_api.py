@@ -20,9 +20,14 @@ import pytest
 import transformers
 from live_server import ServerProcess
 from pydantic import BaseModel, Field
-from support import EXACT_FLAGS, QWEN3_THINKING_CHAT_TEMPLATE, tiny_qwen3_thinking_model
+from support import (
+    QWEN3_THINKING_CHAT_TEMPLATE,
+    THINKING_MODEL,
+    THINKING_SERVER_FLAGS,
+    tiny_qwen3_thinking_model,
+)
 
-MODEL = "tiny-qwen3-thinking"
+MODEL = THINKING_MODEL
 QUESTION = [{"role": "user", "content": "What is two plus two?"}]
 GREEDY = {"temperature": 0, "max_tokens": 12}
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -49,8 +54,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir) -> Iterator[ServerProcess]:
-    process = ServerProcess("--model", str(model_dir), "--served-model-name", MODEL, "--reasoning-parser", "qwen3",
-                            "--max-model-len", "1024", "--num-kv-blocks", "160", *EXACT_FLAGS)
+    process = ServerProcess("--model", str(model_dir), *THINKING_SERVER_FLAGS)
     yield process
     assert process.stop() == 0, process.output()
 

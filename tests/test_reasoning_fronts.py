@@ -15,9 +15,14 @@ import httpx
 import openai
 import pytest
 from live_server import ServerProcess
-from support import EXACT_FLAGS, QWEN3_THINKING_CHAT_TEMPLATE, tiny_qwen3_thinking_model
+from support import (
+    QWEN3_THINKING_CHAT_TEMPLATE,
+    THINKING_MODEL,
+    THINKING_SERVER_FLAGS,
+    tiny_qwen3_thinking_model,
+)
 
-MODEL = "tiny-qwen3-thinking"
+MODEL = THINKING_MODEL
 QUESTION = "What is two plus two?"
 MAX_TOKENS = 12
 BUDGET = 3  # the random model writes no EOS in these 12 tokens (Responses has no ignore_eos)
@@ -27,8 +32,7 @@ BUDGET = 3  # the random model writes no EOS in these 12 tokens (Responses has n
 def server(tmp_path_factory) -> Iterator[ServerProcess]:
     path = tmp_path_factory.mktemp("qwen3-thinking")
     tiny_qwen3_thinking_model(path, QWEN3_THINKING_CHAT_TEMPLATE)
-    process = ServerProcess("--model", str(path), "--served-model-name", MODEL, "--reasoning-parser", "qwen3",
-                            "--max-model-len", "1024", "--num-kv-blocks", "160", *EXACT_FLAGS)
+    process = ServerProcess("--model", str(path), *THINKING_SERVER_FLAGS)
     yield process
     assert process.stop() == 0, process.output()
 
