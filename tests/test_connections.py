@@ -36,6 +36,18 @@ def _connect(server: ServerProcess, receive_buffer: int | None = None) -> socket
     return sock
 
 
+def _read_response(sock: socket.socket) -> str:
+    """One whole HTTP response (headers, then Content-Length bytes): recv may return it in pieces."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return (head + b"\r\n\r\n" + body).decode()
+
+
 def _closed_by_server(sock: socket.socket) -> bool:
     """True once the server has closed the connection (EOF or reset), False if it is still open
     when the socket's timeout passes."""
@@ -70,7 +82,7 @@ def test_a_body_that_does_not_arrive_is_a_408(server):
     sock = _connect(server)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")
-    response = sock.recv(65536).decode()
+    response = _read_response(sock)
     assert response.startswith("HTTP/1.1 408"), response
     body = json.loads(response.partition("\r\n\r\n")[2])
     assert "--body-timeout" in body["error"]["message"]
