@@ -38,13 +38,18 @@ def _connect(server: ServerProcess, receive_buffer: int | None = None) -> socket
 
 def _read_response(sock: socket.socket) -> str:
     """One whole HTTP response (headers, then Content-Length bytes): recv may return it in pieces."""
+    def more() -> bytes:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection before its whole response"
+        return chunk
+
     data = b""
     while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
+        data += more()
     head, _, body = data.partition(b"\r\n\r\n")
     length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
     while len(body) < length:
-        body += sock.recv(65536)
+        body += more()
     return (head + b"\r\n\r\n" + body).decode()
 
 
