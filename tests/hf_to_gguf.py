@@ -15,12 +15,14 @@ import tarfile
 from pathlib import Path
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-_CACHE = Path(sys.prefix) / f".llama-cpp-convert-{LLAMA_CPP_PYTHON_VERSION}"
-_WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+# "-2": the extraction now holds the chat templates too (one download serves both).
+_CACHE = Path(sys.prefix) / f".llama-cpp-convert-{LLAMA_CPP_PYTHON_VERSION}-2"
+_WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/templates/")
 
 
 def converter_dir() -> Path:
-    """The directory holding `convert_hf_to_gguf.py`, fetched on first use (~80 MB download)."""
+    """The directory holding `convert_hf_to_gguf.py` (and llama.cpp's chat templates), fetched on
+    first use (~80 MB download)."""
     ready = _CACHE / "ready"
     if ready.exists():
         return _CACHE / "llama.cpp"
@@ -50,28 +52,8 @@ def converter_dir() -> Path:
 
 def llama_cpp_chat_template(name: str) -> str:
     """A real model's chat template from llama.cpp's collection (`models/templates/<name>.jinja` in
-    the same source distribution), fetched once beside the converter."""
-    directory = _CACHE / "templates"
-    ready = directory / "ready"
-    if not ready.exists():
-        _CACHE.mkdir(parents=True, exist_ok=True)
-        with open(_CACHE / "lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not ready.exists():
-                subprocess.run(
-                    [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                     f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(directory)],
-                    check=True,
-                )
-                archive = directory / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
-                prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/models/templates/"
-                with tarfile.open(archive) as tar:
-                    for member in tar.getmembers():
-                        if member.name.startswith(prefix) and member.name.endswith(".jinja") and member.isfile():
-                            (directory / Path(member.name).name).write_bytes(tar.extractfile(member).read())
-                archive.unlink()
-                ready.touch()
-    return (directory / f"{name}.jinja").read_text()
+    the same source distribution, extracted with the converter)."""
+    return (converter_dir() / "models" / "templates" / f"{name}.jinja").read_text()
 
 
 def write_default_tokenizer(path: Path) -> int:
