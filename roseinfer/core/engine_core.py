@@ -163,5 +163,6 @@ def _merge(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
         merged.req_ids += part.req_ids
         merged.sampled_token_ids += part.sampled_token_ids
         logprobs += part.logprobs if part.logprobs is not None else [None] * len(part.req_ids)
+        merged.pooled |= part.pooled
     merged.logprobs = logprobs if any(p.logprobs is not None for p in parts) else None
     return merged
