@@ -16,6 +16,7 @@ import pytest
 import torch
 from live_server import ServerProcess
 from support import EXACT, EXACT_FLAGS, tiny_hf_model
+from tokenizers import Tokenizer
 
 from roseinfer import LLM, PoolingParams, SamplingParams
 from roseinfer.errors import ContextLengthError, InvalidRequestError
@@ -127,26 +128,29 @@ def server(tmp_path_factory):
     model = tiny_hf_model("llama", path)
     process = ServerProcess("--model", str(path), "--served-model-name", "tiny", "--api-key", KEY,
                             "--max-num-batched-tokens", str(CHUNK), "--disable-web-ui", *EXACT_FLAGS)
-    yield process, model
+    yield process, model, path
     assert process.stop() == 0, process.output()
 
 
 @pytest.fixture
 def client(server) -> openai.OpenAI:
-    process, _ = server
+    process, *_ = server
     return openai.OpenAI(base_url=process.url + "/v1", api_key=KEY, max_retries=0)
 
 
 def test_openai_client_float_base64_token_ids_and_dimensions(server, client):
-    _, model = server
+    _, model, _ = server
     texts = ["The quick brown fox", "Paged attention keeps keys and values in fixed-size blocks. " * 3]
-    floats = client.embeddings.create(model="tiny", input=texts)
+    floats = client.embeddings.create(model="tiny", input=texts, encoding_format="float")
+    # Without encoding_format the client asks for base64 and decodes it itself.
+    decoded = client.embeddings.create(model="tiny", input=texts)
     encoded = client.embeddings.create(model="tiny", input=texts, encoding_format="base64")
     ids = client.embeddings.create(model="tiny", input=PROMPTS[:3])
     short = client.embeddings.create(model="tiny", input=PROMPTS[2], dimensions=8)
     assert floats.model == "tiny" and floats.object == "list" and [d.index for d in floats.data] == [0, 1]
-    for got, want in zip(encoded.data, floats.data, strict=True):
-        assert got.embedding == want.embedding  # the client decodes base64 to the same float32 values
+    for got, raw, want in zip(decoded.data, encoded.data, floats.data, strict=True):
+        assert got.embedding == want.embedding  # base64 carries the same float32 values
+        assert np.frombuffer(base64.b64decode(raw.embedding), dtype="<f4").tolist() == want.embedding
     for prompt, item in zip(PROMPTS[:3], ids.data, strict=True):
         np.testing.assert_allclose(item.embedding, reference(model, prompt, "last"), rtol=1e-4, atol=1e-5)
     assert ids.usage.prompt_tokens == ids.usage.total_tokens == sum(map(len, PROMPTS[:3]))
@@ -156,7 +160,7 @@ def test_openai_client_float_base64_token_ids_and_dimensions(server, client):
 
 
 def test_base64_is_little_endian_float32(server):
-    process, model = server
+    process, model, _ = server
     body = httpx.post(process.url + "/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"},
                       json={"input": PROMPTS[1], "encoding_format": "base64", "user": "u-1"}).json()
     vector = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
@@ -164,7 +168,7 @@ def test_base64_is_little_endian_float32(server):
 
 
 def test_errors_in_openai_shape(server, client):
-    process, _ = server
+    process, *_ = server
     cases = [
         ({"input": "hi", "dimensions": 65}, "dimensions"),
         ({"input": "hi", "dimensions": 0}, "dimensions"),
@@ -190,7 +194,7 @@ def test_errors_in_openai_shape(server, client):
 
 
 def test_embedding_and_generation_in_flight_together(server):
-    process, model = server
+    process, model, path = server
     prompt = PROMPTS[2]
     with torch.no_grad():
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
@@ -205,6 +209,6 @@ def test_embedding_and_generation_in_flight_together(server):
         )
 
     completion, embeddings = asyncio.run(both())
-    assert completion.choices[0].token_ids == expected
+    assert completion.choices[0].text == Tokenizer.from_file(str(path / "tokenizer.json")).decode(expected)
     for item, source in zip(embeddings.data, [prompt, PROMPTS[1]], strict=True):
         np.testing.assert_allclose(item.embedding, reference(model, source, "last"), rtol=1e-4, atol=1e-5)
