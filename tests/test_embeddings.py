@@ -104,6 +104,28 @@ def test_embed_beside_generation_and_from_the_prefix_cache(tiny, tiny_llm):
     np.testing.assert_allclose(again.outputs.data, reference(model, prompt, "last"), rtol=1e-4, atol=1e-5)
 
 
+def test_mean_pooling_starts_over_after_a_preemption(tiny):
+    """A mean-pooled prompt preempted halfway through its chunks (the KV pool runs out) is
+    recomputed from its first token later, its sum started over: the vector is still right."""
+    path, model = tiny
+    llm = LLM(str(path), max_num_batched_tokens=CHUNK, num_kv_blocks=24, block_size=4, **EXACT)
+    engine = llm.llm_engine
+    generated = PROMPTS[1] + PROMPTS[1][:10]  # 40 tokens + 8 generated: 12 blocks
+    pooled = [(5 * i) % 300 + 3 for i in range(60)]  # 15 blocks: both do not fit in 24
+    engine.add_request("gen", generated, SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, ignore_eos=True))
+    engine.add_request("mean", pooled, PoolingParams("mean"))
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals |= {output.request_id: output for output in engine.step() if output.finished}
+    assert engine.engine_core.scheduler.stats.num_preemptions >= 1
+    np.testing.assert_allclose(finals["mean"].outputs.data, reference(model, pooled, "mean"), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([generated]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                  pad_token_id=0)[0, len(generated):].tolist()
+    assert finals["gen"].outputs[0].token_ids == expected
+    assert engine.engine_core.kv_cache.num_free_blocks == 24
+
+
 def test_embed_checks_name_the_field(tiny_llm):
     hidden = tiny_llm.llm_engine.model_config.hidden_size
     with pytest.raises(InvalidRequestError) as caught:
@@ -179,6 +201,7 @@ def test_errors_in_openai_shape(server, client):
         ({"input": [i % 300 + 3 for i in range(513)]}, "input"),  # longer than the context
         ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
         ({"input": "hi", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+        ({"input": ["hi"] * 129}, "input"),  # more than the queue holds (--max-queue-len: 2 x 64)
     ]
     for body, param in cases:
         with pytest.raises(openai.BadRequestError) as caught:

@@ -104,7 +104,12 @@ def register_embeddings_api(app: FastAPI, serving: OpenAIServing, check_model: C
 
     async def submit(body: EmbeddingRequest) -> tuple[list[str], RequestOutputStream]:
         params = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
-        requests = [NewRequest(new_id("embd"), prompt, params) for prompt in body.prompts()]
+        prompts = body.prompts()
+        limit = engine.max_queue_len
+        if limit is not None and len(prompts) > limit:  # could never be queued: not a 503 to retry
+            raise InvalidRequestError(f"input has {len(prompts)} items, more than this server queues at once "
+                                      f"({limit}, --max-queue-len); send them in smaller requests", "input")
+        requests = [NewRequest(new_id("embd"), prompt, params) for prompt in prompts]
         try:
             stream = await engine.add_requests(requests)
         except InvalidRequestError as exc:
