@@ -19,6 +19,8 @@ from support import EXACT, EXACT_FLAGS, tiny_hf_model
 from tokenizers import Tokenizer
 
 from roseinfer import LLM, PoolingParams, SamplingParams
+from roseinfer.core import serial
+from roseinfer.core.messages import EngineCoreRequest, ModelRunnerOutput
 from roseinfer.errors import ContextLengthError, InvalidRequestError
 
 CHUNK = 16  # max_num_batched_tokens: the 70-token prompt runs in 5 chunks
@@ -124,6 +126,17 @@ def test_mean_pooling_starts_over_after_a_preemption(tiny):
                                   pad_token_id=0)[0, len(generated):].tolist()
     assert finals["gen"].outputs[0].token_ids == expected
     assert engine.engine_core.kv_cache.num_free_blocks == 24
+
+
+def test_pooling_messages_cross_processes():
+    """What an engine-core process or a tensor-parallel worker receives and sends (msgpack)."""
+    request = EngineCoreRequest("e", [5, 6, 7], None, [0], 1.0, pooling_params=PoolingParams("mean", False, 8))
+    output = ModelRunnerOutput(pooled={"e": np.arange(4, dtype=np.float32)})
+    again, output_again = serial.decode(serial.encode([request, output]))
+    assert again == request and again.sampling_params is None
+    np.testing.assert_array_equal(output_again.pooled["e"], output.pooled["e"])
+    with pytest.raises(ValueError):  # one kind or the other, never both or neither
+        EngineCoreRequest("x", [5], None, [0], 1.0)
 
 
 def test_embed_checks_name_the_field(tiny_llm):
