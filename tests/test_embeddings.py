@@ -101,9 +101,11 @@ def test_embed_beside_generation_and_from_the_prefix_cache(tiny, tiny_llm):
     for pooling in ("last", "mean"):
         np.testing.assert_allclose(finals[pooling].outputs.data, reference(model, prompt, pooling), rtol=1e-4,
                                    atol=1e-5)
-    (again,) = tiny_llm.embed([prompt], PoolingParams("last"), use_tqdm=False)
+    again, mean = tiny_llm.embed([prompt, prompt], [PoolingParams("last"), PoolingParams("mean")], use_tqdm=False)
     assert again.metrics.num_cached_tokens > 0  # its full blocks came from the prefix cache
     np.testing.assert_allclose(again.outputs.data, reference(model, prompt, "last"), rtol=1e-4, atol=1e-5)
+    assert mean.metrics.num_cached_tokens == 0  # mean pooling needs every token's hidden state
+    np.testing.assert_allclose(mean.outputs.data, reference(model, prompt, "mean"), rtol=1e-4, atol=1e-5)
 
 
 def test_mean_pooling_starts_over_after_a_preemption(tiny):

@@ -309,11 +309,10 @@ class ModelRunner:
                 chunk = rows.float().sum(dim=0)
                 state.pool_sum = chunk if state.pool_sum is None else state.pool_sum + chunk
                 state.pool_count += entry.num_rows
-                vector = state.pool_sum / state.pool_count
-            else:  # last
-                vector = rows[-1].float()
-            if entry.last_chunk:
-                pooled[state.req_id] = vector.cpu().numpy()
+                if entry.last_chunk:
+                    pooled[state.req_id] = (state.pool_sum / state.pool_count).cpu().numpy()
+            elif entry.last_chunk:  # last
+                pooled[state.req_id] = rows[-1].float().cpu().numpy()
         return pooled
 
     def _decode_metadata(self, meta: AttentionMetadata, states: list[CachedRequestState]) -> None:
