@@ -127,6 +127,13 @@ class ModelConfig:
         layers attend to the window's last tokens, see layer_window)."""
         return self.max_position_embeddings
 
+    @property
+    def attention_span(self) -> int | None:
+        """How many of the last positions some layer still reads when every layer has a sliding
+        window (the KV cache frees blocks before it); None when a layer reads the whole sequence."""
+        windows = [self.layer_window(layer) for layer in range(self.num_layers)]
+        return max(windows) if windows and None not in windows else None
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (keys at positions > query position - window), or
         None where it attends to the whole sequence."""
@@ -348,6 +355,11 @@ class EngineConfig:
                 "max_model_len",
             )
         length = self.max_model_len or context
+        # What one sequence holds at most: all of it, or with a sliding window on every layer its
+        # span plus one step's tokens (older blocks are released, see core/kv_cache_manager).
+        held = length
+        if model_config.attention_span is not None:
+            held = min(length, model_config.attention_span + self.max_num_batched_tokens + self.block_size)
         if self.num_kv_blocks is None:
             gib = self.kv_cache_memory or self.DEFAULT_KV_CACHE_GIB
             per_block = model_config.kv_block_bytes(self.block_size, self.kv_cache_torch_dtype, self.tensor_parallel_size)
@@ -356,14 +368,14 @@ class EngineConfig:
                 raise InvalidRequestError(
                     f"kv_cache_memory {gib} GiB holds no block of {per_block} bytes", "kv_cache_memory"
                 )
-            usable = self.max_num_seqs * -(-length // self.block_size)
+            usable = self.max_num_seqs * -(-held // self.block_size)
             self.num_kv_blocks = min(budget, usable)
         capacity = self.num_kv_blocks * self.block_size
-        if capacity < length:
+        if capacity < held:
             logger.warning(
-                "the KV cache holds %d tokens, fewer than the context length %d: "
+                "the KV cache holds %d tokens, fewer than one sequence may hold (%d): "
                 "max_model_len lowered to %d (raise --kv-cache-memory for longer requests)",
-                capacity, length, capacity,
+                capacity, held, capacity,
             )
             length = capacity
         self.max_model_len = length
