@@ -230,6 +230,10 @@ class EngineConfig:
     # A thinking model's markup (roseinfer/reasoning: qwen3, deepseek_r1): its grammar constrains
     # the answer only, a thinking budget can close it, and the API splits thinking from answer.
     reasoning_parser: str | None = None
+    # Seconds one grammar may compile (structured outputs) before its requests fail with a 400
+    # naming the field; 0: no limit. llguidance's own fuel limits end most pathological grammars
+    # sooner (a grammar near them compiles in about 2 s here); this bounds what they let through.
+    grammar_compile_timeout: float = 30.0
 
     DEFAULT_KV_CACHE_GIB = 2.0
 
@@ -263,6 +267,8 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_METHODS:
             raise bad("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if not self.grammar_compile_timeout >= 0:  # also refuses NaN
+            raise bad("grammar_compile_timeout", f"must be >= 0 seconds (0: none), got {self.grammar_compile_timeout}")
         if self.reasoning_parser is not None:
             from roseinfer.reasoning import REASONING_PARSERS
 
@@ -421,6 +427,7 @@ ENGINE_ARG_NAMES = (
     "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
     "attention_backend", "tensor_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
     "master_addr", "master_port", "cpu_threads_bind", "cpu_allreduce", "speculative_config", "reasoning_parser",
+    "grammar_compile_timeout",
 )
 
 
@@ -476,6 +483,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="a thinking model's <think> markup (qwen3: Qwen3, QwQ; deepseek_r1: DeepSeek-R1 "
                             "and its distills): the API returns the thinking as reasoning_content, grammars "
                             "and tool choices constrain only the answer, and thinking_token_budget works")
+    group.add_argument("--grammar-compile-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="most seconds one structured-output grammar may compile; past it its requests "
+                            "fail with a 400 naming the field (0: no limit; default 30)")
 
     parallel = parser.add_argument_group("tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA)")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
