@@ -32,6 +32,12 @@ def slow_schema(variant: int = 0) -> dict:
     ]}
 
 
+def ref_chain(length: int) -> dict:
+    """Objects whose one property is the next definition, `length` deep through `$ref`s."""
+    return {"$defs": {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
+                      for i in range(length)} | {f"d{length}": {"type": "string"}}, "$ref": "#/$defs/d0"}
+
+
 def slow_params(variant: int = 0) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=slow_schema(variant))
 
@@ -142,12 +148,19 @@ def test_aborted_requests_stop_holding_the_engines_compile_seats(smollm_gguf_pat
         core.shutdown()
 
 
-def test_a_grammar_past_the_flags_limit_is_a_400_naming_the_field():
+def test_slow_and_too_deep_grammars_are_400s_naming_the_field():
     """The live server, through the official client: the compile's time-out reaches the caller as
-    a 400 naming the field (not a 500), and the server goes on serving grammars."""
+    a 400 naming the field (not a 500); a schema deep enough to overflow llguidance's stack (it
+    killed the server with SIGSEGV: test_grammar_limits.py) is a 400 too; the server goes on
+    serving grammars."""
     server = ServerProcess("--kv-cache-memory", "0.25", "--grammar-compile-timeout", "0.05")
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                response_format={"type": "json_schema", "json_schema": {"name": "deep", "schema": ref_chain(1000)}})
+        assert caught.value.body["param"] == "response_format.json_schema.schema", caught.value.body
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=4,
                                       extra_body={"structured_outputs": {"json": slow_schema()}})
