@@ -127,11 +127,13 @@ class CompilePool(Generic[T]):
             self._queue.clear()
             for job in queued:
                 del self._jobs[job.future]
-            for job in self._jobs.values():
-                if not job.ended and not job.given_up:
-                    self._orphan(job)
+            running = [job for job in self._jobs.values() if not job.ended and not job.given_up]
+            for job in running:
+                self._orphan(job)
         for job in queued:
             job.future.cancel()
+        for job in running:  # a caller still waiting is told, not left hanging
+            _fail(job.future, CompileAbandoned("the grammar compiler was shut down"))
 
     # -- inside ------------------------------------------------------------------------------------
 
