@@ -8,11 +8,12 @@ gets a 400 and nothing gets a 5xx; after each round nothing is running or waitin
 is empty; the server's memory outside its KV pool grows by less than MEMORY_GROWTH_BOUND from each round's end to
 the next's (the first round warms allocators and caches up: about 60 MiB above the idle server).
 
-What the later rounds leave (2026-11-26, this file's traffic against one server, scripts in the
-sec branch's report): 502.5, 504.7, ... MiB after rounds 1, 2, ...: a few MiB up or down, not a
-trend. Python's objects are as many after round 5 as after round 1 (282,691 and 282,765, gc), and
-glibc's malloc_trim(0) after each round gives back ~55 MiB and lands at 449.0, 449.1, 449.7,
-449.7, 449.9 MiB: what a round allocates is freed; glibc keeps the freed pages for the next round.
+Where the memory goes (2026-11-26, tests/soak_memory/rounds.py: this file's rounds against one
+server): idle 442.7 MiB; after rounds 1-4 502.5, 504.7, 501.8, 501.5 MiB: it levels off after the
+first round (a few MiB up or down, no trend). Live Python objects: 282,691 after round 1, 282,765
+after round 5; tracemalloc's traced memory 133.4 MiB after rounds 1, 2 and 3 (+0.04 MiB in all).
+glibc's malloc_trim(0) after each round (--trim) gives ~55 MiB back: 449.0, 449.1, 449.7, 449.7,
+449.9 MiB: what a round allocates is freed, and glibc keeps the freed pages for the next round.
 """
 
 from __future__ import annotations
