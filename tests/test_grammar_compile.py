@@ -151,9 +151,10 @@ def test_aborted_requests_stop_holding_the_engines_compile_seats(smollm_gguf_pat
 
 
 def test_slow_and_too_deep_grammars_are_400s_naming_the_field():
-    """The live server, through the official client: the compile's time-out reaches the caller as
-    a 400 naming the field (not a 500); a schema deep enough to overflow llguidance's stack (it
-    killed the server with SIGSEGV: test_grammar_limits.py) is a 400 too; the server goes on."""
+    """The live server, through the official client: a schema deep enough to overflow llguidance's
+    stack (it killed the server with SIGSEGV: test_grammar_limits.py) is a 400 naming the field; so
+    is a compile's time-out (not a 500). The server then stops cleanly while the timed-out compile
+    still runs (the interpreter waits for it rather than finalizing under it)."""
     server = ServerProcess("--kv-cache-memory", "0.25", "--grammar-compile-timeout", "0.05")
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
@@ -162,16 +163,16 @@ def test_slow_and_too_deep_grammars_are_400s_naming_the_field():
                 model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                 response_format={"type": "json_schema", "json_schema": {"name": "deep", "schema": ref_chain(1000)}})
         assert caught.value.body["param"] == "response_format.json_schema.schema", caught.value.body
+        # Still serving (unconstrained: with a 0.05 s limit even a trivial grammar could time out
+        # on a busy machine).
+        answer = client.completions.create(model=MODEL, prompt="Yes or no?", max_tokens=4)
+        assert answer.choices[0].finish_reason in ("stop", "length")
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=4,
                                       extra_body={"structured_outputs": {"json": slow_schema()}})
         error = caught.value.body
         assert error["param"] == "structured_outputs.json", error
         assert "--grammar-compile-timeout" in error["message"], error
-        # Still serving (unconstrained: with a 0.05 s limit even a trivial grammar could time out
-        # on a busy machine).
-        answer = client.completions.create(model=MODEL, prompt="Yes or no?", max_tokens=4)
-        assert answer.choices[0].finish_reason in ("stop", "length")
     finally:
         assert server.stop() == 0, server.output()
     assert "Traceback" not in server.output()
@@ -184,3 +185,17 @@ def test_shutdown_tells_whoever_still_waits(one_seat):
     with pytest.raises(CompileAbandoned):
         running.result()
     assert queued.cancelled()
+
+
+def test_compile_threads_are_not_daemons_even_when_started_from_one(one_seat):
+    """The interpreter must wait for a running compile at exit: llguidance's native code running on
+    while Python finalizes crashed the server (SIGSEGV) when it stopped right after a time-out."""
+    import threading
+
+    futures = []
+    starter = threading.Thread(target=lambda: futures.append(one_seat.compile_async(slow_params())), daemon=True)
+    starter.start()
+    starter.join()
+    compiling = [t for t in threading.enumerate() if t.name == "grammar-compile"]
+    assert compiling and not any(t.daemon for t in compiling)
+    assert futures[0].result().new_grammar() is not None

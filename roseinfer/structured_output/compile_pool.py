@@ -152,9 +152,10 @@ class CompilePool(Generic[T]):
                 job.timer = threading.Timer(self.timeout, self._time_out, (job,))
                 job.timer.daemon = True
                 job.timer.start()
-            # Not a daemon: the interpreter waits for a compile at exit (llguidance's native code
+            # Not a daemon (said outright: a thread inherits it from the daemon threads that start
+            # compiles): the interpreter waits for a compile at exit (llguidance's native code
             # must not run on while Python finalizes; its fuel limits bound the wait).
-            threading.Thread(target=self._run, args=(job,), name=self._name).start()
+            threading.Thread(target=self._run, args=(job,), name=self._name, daemon=False).start()
 
     def _orphan(self, job: _Job[T]) -> None:
         """Holds the lock."""
