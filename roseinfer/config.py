@@ -243,6 +243,10 @@ class EngineConfig:
     # other decoder embedding models are trained) or "mean"; and whether it is scaled to unit length.
     pooling: str = "last"
     pooling_normalize: bool = True
+    # Seconds one grammar may compile (structured outputs) before its requests fail with a 400
+    # naming the field; 0: no limit. llguidance's own fuel limits end most pathological grammars
+    # sooner (a grammar near them compiles in about 2 s here); this bounds what they let through.
+    grammar_compile_timeout: float = 30.0
 
     DEFAULT_KV_CACHE_GIB = 2.0
 
@@ -276,6 +280,8 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_METHODS:
             raise bad("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if not self.grammar_compile_timeout >= 0:  # also refuses NaN
+            raise bad("grammar_compile_timeout", f"must be >= 0 seconds (0: none), got {self.grammar_compile_timeout}")
         if self.reasoning_parser is not None:
             from roseinfer.reasoning import REASONING_PARSERS
 
@@ -442,6 +448,7 @@ ENGINE_ARG_NAMES = (
     "attention_backend", "tensor_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
     "master_addr", "master_port", "cpu_threads_bind", "cpu_allreduce", "speculative_config", "reasoning_parser",
     "pooling", "pooling_normalize",
+    "grammar_compile_timeout",
 )
 
 
@@ -503,6 +510,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--normalize", dest="pooling_normalize", action=argparse.BooleanOptionalAction, default=True,
                        help="embeddings: scale each vector to unit length (L2); --no-normalize returns the raw "
                             "pooled hidden state (default: normalize)")
+    group.add_argument("--grammar-compile-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="most seconds one structured-output grammar may compile; past it its requests "
+                            "fail with a 400 naming the field (0: no limit; default 30)")
 
     parallel = parser.add_argument_group("tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA)")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

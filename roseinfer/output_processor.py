@@ -96,6 +96,7 @@ class SequenceState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self.error_param: str | None = None
         self.last_token_time: float | None = None
         # Handed out so far, for DELTA outputs.
         self._sent_tokens = 0
@@ -123,6 +124,7 @@ class SequenceState:
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=list(logprobs) if logprobs is not None else None,
             error=self.error,
+            error_param=self.error_param,
         )
 
 
@@ -320,6 +322,7 @@ class OutputProcessor:
                 processed.reqs_to_abort.append(seq.request_id)
         elif output.finished:
             seq.finish_reason, seq.stop_reason, seq.error = output.finish_reason, output.stop_reason, output.error
+            seq.error_param = output.error_param
         if seq.finished:
             seq.last_token_time = seq.last_token_time or now
         return seq.text.take_delta(seq.finished, stopped_by_string=stop_string is not None)

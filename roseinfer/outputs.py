@@ -28,6 +28,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # with finish_reason "error": what went wrong
+    error_param: str | None = None  # the request's field at fault when the request itself was (a 400)
 
     @property
     def finished(self) -> bool:

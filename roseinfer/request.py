@@ -92,6 +92,7 @@ class Request:
         self.grammar_future: Future | None = None
         self.grammar: Grammar | None = None
         self.grammar_error: str | None = None
+        self.grammar_error_param: str | None = None  # the request field the error is about
         self.grammar_compile_time: float | None = None
         # A thinking model's request (a reasoning parser is on): where it is in its thinking.
         self.reasoning = (ReasoningTracker(reasoning, sampling_params.thinking_token_budget)

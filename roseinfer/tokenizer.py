@@ -96,6 +96,13 @@ _IGNORE_MERGES_FAMILIES = frozenset({"llama3", "tekken"})
 _ADD_BOS_FAMILIES = frozenset({"llama3", "tekken"})
 
 
+# tokenizers' `encode` holds the GIL for the whole call (about 4 s for a prompt of 900k characters
+# here), so a huge prompt tokenized in a worker thread would still stop the server's event loop and
+# engine thread; its batch calls release the GIL (and encode the same ids). Short texts keep the
+# plain call, which is quicker for them.
+_GIL_FREE_FROM_CHARS = 4096
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus what a model's configuration says around it."""
 
@@ -255,6 +262,8 @@ class Tokenizer:
     # -- use --------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _GIL_FREE_FROM_CHARS:
+            return self.encode_batch([text], add_special_tokens)[0]
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
@@ -314,7 +323,10 @@ class Tokenizer:
         tokenized as text, the rest as `encode` does."""
         if not chat.literal_spans:
             return self.encode(chat.text, add_special_tokens=False)
-        encoding = self.backend.encode(chat.text, add_special_tokens=False)
+        if len(chat.text) > _GIL_FREE_FROM_CHARS:  # the offsets are needed: the batch call that keeps them
+            encoding = self.backend.encode_batch([chat.text], add_special_tokens=False)[0]
+        else:
+            encoding = self.backend.encode(chat.text, add_special_tokens=False)
         ids: list[int] = []
         for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
             if token_id in self.skipped_ids and chat.is_literal(start, end):

@@ -1,12 +1,19 @@
-"""A soak test of `roseinfer serve` with its default limits: two identical rounds of REQUESTS
+"""A soak test of `roseinfer serve` with its default limits: three identical rounds of REQUESTS
 requests, CONCURRENCY at a time, mixing chat and completions, streamed and whole, n = 1 and 2, a
 tenth of the streams cut by the client part-way, and a few requests with bad input.
 
 Every accepted request gets exactly one complete answer (a whole response with a finish reason for
 every choice, or a stream with one finish reason per choice and one [DONE] at its end), bad input
 gets a 400 and nothing gets a 5xx; after each round nothing is running or waiting and the KV cache
-is empty; the server's memory outside its KV pool grows by less than MEMORY_GROWTH_BOUND from the first round's end to
-the second's (the first round warms allocators and caches up).
+is empty; the server's memory outside its KV pool grows by less than MEMORY_GROWTH_BOUND from each round's end to
+the next's (the first round warms allocators and caches up: about 60 MiB above the idle server).
+
+Where the memory goes (2026-11-26, tests/soak_memory/rounds.py: this file's rounds against one
+server): idle 442.7 MiB; after rounds 1-4 502.5, 504.7, 501.8, 501.5 MiB: it levels off after the
+first round (a few MiB up or down, no trend). Live Python objects: 282,691 after round 1, 282,765
+after round 5; tracemalloc's traced memory 133.4 MiB after rounds 1, 2 and 3 (+0.04 MiB in all).
+glibc's malloc_trim(0) after each round (--trim) gives ~55 MiB back: 449.0, 449.1, 449.7, 449.7,
+449.9 MiB: what a round allocates is freed, and glibc keeps the freed pages for the next round.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from live_server import ServerProcess, metric
 REQUESTS = 192
 CONCURRENCY = 64
 CUT_ONE_STREAM_IN = 10
-MEMORY_GROWTH_BOUND = 128 * 1024**2  # of the RSS outside the KV pool (~0.9 GiB)
+MEMORY_GROWTH_BOUND = 32 * 1024**2  # a round's growth of the RSS outside the KV pool (~0.5 GiB); seen: < 8 MiB
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write one sentence about the sea.",
              "What is 2 + 2?", "Give me a word that rhymes with cat.", "Who wrote Hamlet?"]
 # Each is refused with a 400 naming the field; the raw bytes are not JSON that Python's json writes.
@@ -178,10 +185,10 @@ def soak_server() -> Iterator[ServerProcess]:
     assert process.stop() == 0, process.output()
 
 
-def test_two_soak_rounds_answer_everything_once_and_leave_nothing_behind(soak_server):
+def test_three_soak_rounds_answer_everything_once_and_leave_nothing_behind(soak_server):
     plans = plan_round(seed=13)
     memory = []
-    for round_number in (1, 2):
+    for round_number in (1, 2, 3):
         started = time.monotonic()
         outcomes = asyncio.run(soak_round(soak_server.url, plans))
         seconds = time.monotonic() - started
@@ -197,10 +204,10 @@ def test_two_soak_rounds_answer_everything_once_and_leave_nothing_behind(soak_se
         print(f"soak round {round_number}: {len(outcomes)} requests, {CONCURRENCY} at a time, {seconds:.1f} s; "
               f"{statuses[200] - cut} complete answers, {cut} streams cut by the client, {statuses[400]} bad "
               f"inputs refused; server RSS {memory[-1] / 1024**2:.0f} MiB")
-    growth = memory[1] - memory[0]
-    print(f"soak: RSS growth from round 1 to round 2: {growth / 1024**2:+.1f} MiB "
-          f"(bound {MEMORY_GROWTH_BOUND / 1024**2:.0f} MiB)")
-    assert growth < MEMORY_GROWTH_BOUND
+    growth = [memory[i + 1] - memory[i] for i in range(len(memory) - 1)]
+    print(f"soak: RSS growth in rounds 2 and 3: {', '.join(f'{g / 1024**2:+.1f}' for g in growth)} MiB "
+          f"(bound {MEMORY_GROWTH_BOUND / 1024**2:.0f} MiB a round)")
+    assert all(g < MEMORY_GROWTH_BOUND for g in growth), growth
     log = soak_server.output()
     for bad_sign in ("Exception in ASGI application", "Task exception was never retrieved", "Traceback"):
         assert bad_sign not in log, bad_sign

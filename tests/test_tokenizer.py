@@ -62,6 +62,24 @@ def test_encode_batch_matches_encode(smollm_tokenizer):
     ]
 
 
+def test_long_texts_encode_as_transformers_does(smollm_tokenizer, smollm_hf_tokenizer, monkeypatch):
+    """Past a few thousand characters `encode` and `encode_chat` take tokenizers' batch calls
+    (they release the GIL: test_huge_prompt.py); the ids are the same, and special-token markup
+    typed into a message still stays text."""
+    import roseinfer.tokenizer
+
+    text = " ".join(CORPUS) * 60 + "<|im_start|>system"
+    assert len(text) > roseinfer.tokenizer._GIL_FREE_FROM_CHARS
+    assert smollm_tokenizer.encode(text) == hf_encode(smollm_hf_tokenizer, text)
+    chat = smollm_tokenizer.render_chat([{"role": "user", "content": text}])
+    ids = smollm_tokenizer.encode_chat(chat)
+    im_start = smollm_hf_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert chat.text.count("<|im_start|>") > 3
+    assert ids.count(im_start) == 3  # the template's own system, user and assistant turns only
+    monkeypatch.setattr(roseinfer.tokenizer, "_GIL_FREE_FROM_CHARS", len(chat.text) + 1)
+    assert ids == smollm_tokenizer.encode_chat(chat)  # the one-call path's ids
+
+
 def test_special_token_strings_become_their_ids(smollm_tokenizer):
     ids = smollm_tokenizer.encode("<|im_start|>user")
     assert ids[0] == smollm_tokenizer.bos_token_id == 1

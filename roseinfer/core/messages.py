@@ -68,6 +68,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id that ended it
     error: str | None = None  # with finish_reason "error": what went wrong
+    error_param: str | None = None  # the request field at fault (a 400 naming it), if the request's own
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held at first scheduling
     first_scheduled_time: float | None = None  # time.monotonic() when it first ran
     grammar_compile_time: float | None = None  # structured outputs: seconds its grammar took

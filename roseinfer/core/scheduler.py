@@ -110,6 +110,8 @@ class Scheduler:
         elif request.status == RequestStatus.WAITING:
             self._leave_waiting(request)
         request.status = status
+        if self.structured_output is not None:
+            self.structured_output.release(request)  # a compile nobody waits for stops holding a seat
         self.kv_cache.free(request.request_id)
         del self.requests[request.request_id]
         if request.synced_block_ids is not None:
@@ -167,7 +169,8 @@ class Scheduler:
             if request.grammar_error is not None:
                 self._finish(request, RequestStatus.FINISHED_ERROR)
                 self._error_outputs.append(EngineCoreOutput(
-                    request.request_id, [], finish_reason="error", error=request.grammar_error
+                    request.request_id, [], finish_reason="error", error=request.grammar_error,
+                    error_param=request.grammar_error_param,
                 ))
                 continue
             cached = self._cached_prefix(request)

@@ -3,6 +3,9 @@ thread pool off the engine loop, and the step's token bitmask: a row per constra
 and one per thinking model's request whose thinking budget is spent (only its end token).
 
 A request whose grammar is still compiling waits (the scheduler passes over it, the step goes on).
+A request that ends before its grammar compiled (aborted: its client left, or it timed out) gives
+up its claim on the compile, which is then cancelled or orphaned (structured_output/compile_pool.py);
+a compile that runs past `--grammar-compile-timeout` fails its requests with a 400 naming the field.
 The tokenizer (for llguidance's view of the vocabulary) is loaded at the first constrained request.
 """
 
@@ -14,6 +17,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from roseinfer.config import EngineConfig, ModelConfig
+from roseinfer.errors import InvalidRequestError
 from roseinfer.request import Request
 from roseinfer.structured_output import (
     CompiledGrammar,
@@ -40,7 +44,8 @@ class StructuredOutputManager:
             eos = set(self._model_config.eos_token_ids)
             if tokenizer.eos_token_id is not None:
                 eos.add(tokenizer.eos_token_id)
-            self._compiler = GrammarCompiler(tokenizer, vocab_size=self._model_config.vocab_size, eos_token_ids=eos)
+            self._compiler = GrammarCompiler(tokenizer, vocab_size=self._model_config.vocab_size, eos_token_ids=eos,
+                                             compile_timeout=self._config.grammar_compile_timeout)
         return self._compiler
 
     def add_request(self, request: Request) -> None:
@@ -57,6 +62,12 @@ class StructuredOutputManager:
 
         future.add_done_callback(compiled)
 
+    def release(self, request: Request) -> None:
+        """The request ended: if its grammar is still compiling, it no longer waits for it."""
+        future = request.grammar_future
+        if future is not None and not future.done() and self._compiler is not None:
+            self._compiler.release(future)
+
     def is_ready(self, request: Request) -> bool:
         """Whether the request can be scheduled: unconstrained, or its grammar has compiled (or
         failed to: then `request.grammar_error` says why)."""
@@ -67,8 +78,12 @@ class StructuredOutputManager:
             return False
         try:
             request.grammar = future.result().new_grammar()
-        except Exception as exc:  # a grammar llguidance's quick check let through
-            request.grammar_error = f"the structured output's grammar did not compile: {exc}"
+        except Exception as exc:  # a grammar llguidance's quick check let through, or a time-out
+            error = self.compiler.error_of(request.sampling_params.structured_outputs, exc)
+            if isinstance(error, InvalidRequestError):  # the request's own fault: a 400 naming the field
+                request.grammar_error, request.grammar_error_param = str(error), error.param
+            else:
+                request.grammar_error = f"the structured output's grammar did not compile: {error}"
         return True
 
     def bitmask(self, requests: list[Request]) -> tuple[np.ndarray | None, dict[str, int]]:

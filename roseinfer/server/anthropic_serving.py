@@ -57,7 +57,12 @@ from roseinfer.server.anthropic_protocol import (
     ToolResultBlock,
     ToolUseContent,
 )
-from roseinfer.server.error_responses import GenerationError, error_event, status_of
+from roseinfer.server.error_responses import (
+    GenerationError,
+    error_event,
+    generation_failure,
+    status_of,
+)
 from roseinfer.server.protocol import ChatCompletionRequest
 from roseinfer.server.serving import OpenAIServing, Submitted
 from roseinfer.tool_parsers import ContentDelta, ToolCall, ToolCallDelta
@@ -350,7 +355,7 @@ class AnthropicServing:
         async for output in self.serving._outputs(submitted):
             completion = output.outputs[0]
             if completion.error is not None:
-                raise GenerationError(f"generation failed: {completion.error}")
+                raise generation_failure(completion)
             events: list[BaseModel] = []
             if last is None:
                 events.append(MessageStartEvent(message=MessageResponse(

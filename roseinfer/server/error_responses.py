@@ -15,11 +15,20 @@ from roseinfer.errors import (
     InvalidRequestError,
     RequestTimeoutError,
 )
+from roseinfer.outputs import CompletionOutput
 from roseinfer.server.protocol import ErrorInfo, ErrorResponse
 
 
 class GenerationError(RuntimeError):
     """A request ended with finish_reason "error" (the engine step that ran it failed)."""
+
+
+def generation_failure(completion: CompletionOutput) -> Exception:
+    """The error of a sequence that ended with finish_reason "error": a 400 naming the field when
+    the request itself was at fault (its grammar did not compile), else a 500."""
+    if completion.error_param is not None:
+        return InvalidRequestError(str(completion.error), param=completion.error_param)
+    return GenerationError(f"generation failed: {completion.error}")
 
 
 def error_type(status: int) -> str:

@@ -27,7 +27,12 @@ from roseinfer.outputs import CompletionOutput
 from roseinfer.reasoning import ReasoningDelta, ReasoningStream
 from roseinfer.reasoning.base import Phase
 from roseinfer.server.app import ApiError, _unless_disconnected
-from roseinfer.server.error_responses import GenerationError, error_type, status_of
+from roseinfer.server.error_responses import (
+    GenerationError,
+    error_type,
+    generation_failure,
+    status_of,
+)
 from roseinfer.server.openapi import errors
 from roseinfer.server.protocol import (
     ChatCompletionRequest,
@@ -257,7 +262,7 @@ class ResponsesServing:
             async for output in self.serving._outputs(submitted):
                 for completion in output.outputs:
                     if completion.error is not None:
-                        raise GenerationError(f"generation failed: {completion.error}")
+                        raise generation_failure(completion)
                     if reasoning is None:
                         reasoning = self._reasoning(output.prompt)
                     for event in _feed(builder, tools, reasoning, completion, finished=completion.finished):

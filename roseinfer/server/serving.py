@@ -19,7 +19,12 @@ from roseinfer.input_processor import ChatPrompt
 from roseinfer.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from roseinfer.reasoning import ReasoningDelta, ReasoningStream
 from roseinfer.sampling_params import RequestOutputKind, SamplingParams
-from roseinfer.server.error_responses import GenerationError, error_event, status_of
+from roseinfer.server.error_responses import (
+    GenerationError,
+    error_event,
+    generation_failure,
+    status_of,
+)
 from roseinfer.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -176,7 +181,7 @@ class OpenAIServing:
         async for output in self._outputs(submitted):
             for completion in output.outputs:
                 if completion.error is not None:
-                    raise GenerationError(f"generation failed: {completion.error}")
+                    raise generation_failure(completion)
             finals[submitted.position(output)] = output
         return finals
 
@@ -225,7 +230,7 @@ class OpenAIServing:
             for completion in output.outputs:
                 index = submitted.choice_index(output, completion)
                 if completion.error is not None:
-                    yield _sse(error_event(GenerationError(f"generation failed: {completion.error}")))
+                    yield _sse(error_event(generation_failure(completion)))
                     continue
                 logprobs = None
                 if body.logprobs is not None and completion.logprobs:
@@ -317,7 +322,7 @@ class OpenAIServing:
         async for output in self._outputs(submitted):
             for completion in output.outputs:
                 if completion.error is not None:
-                    yield _sse(error_event(GenerationError(f"generation failed: {completion.error}")))
+                    yield _sse(error_event(generation_failure(completion)))
                     continue
                 index = completion.index
                 logprobs = self._chat_logprobs(completion.logprobs) if body.logprobs and completion.logprobs else None
@@ -373,7 +378,7 @@ class OpenAIServing:
         async for output in self._outputs(submitted):
             for completion in output.outputs:
                 if completion.error is not None:
-                    raise GenerationError(f"generation failed: {completion.error}")
+                    raise generation_failure(completion)
                 if completion.text:
                     yield completion.text
         submitted.log()

@@ -1,5 +1,7 @@
-"""Grammars with llguidance: compiled on a small thread pool off the caller's thread, cached by
-a SHA-256 digest of the grammar's text, and tracked per request (allowed next tokens, accepted tokens, termination)."""
+"""Grammars with llguidance: compiled on a small pool of threads off the caller's thread (with a
+time limit, and given up on when no request waits any more: compile_pool.py), cached by a SHA-256
+digest of the grammar's text, and tracked per request (allowed next tokens, accepted tokens,
+termination)."""
 
 from __future__ import annotations
 
@@ -7,13 +9,14 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import llguidance
 import llguidance.numpy
 import torch
 
 from roseinfer.errors import InvalidRequestError
+from roseinfer.structured_output.compile_pool import CompilePool, CompileTimeout
 from roseinfer.structured_output.llg_tokenizer import build_llg_tokenizer
 from roseinfer.structured_output.params import StructuredOutputsParams
 from roseinfer.tokenizer import Tokenizer
@@ -83,6 +86,8 @@ class GrammarCompiler:
 
     `vocab_size` is the model's logits width when larger than the tokenizer's vocabulary;
     `eos_token_ids` are the ids that may end a finished grammar (default: the tokenizer's EOS).
+    `compile_timeout` (seconds; None: none) bounds one compile's running time; a waiter that no
+    longer needs a grammar says so with `release` (see compile_pool.py).
     """
 
     def __init__(
@@ -94,12 +99,14 @@ class GrammarCompiler:
         max_workers: int = 2,
         cache_size: int = 256,
         cache_bytes: int = 16 << 20,
+        compile_timeout: float | None = None,
     ) -> None:
         self.llg_tokenizer = build_llg_tokenizer(
             tokenizer, vocab_size=vocab_size, eos_token_ids=eos_token_ids
         )
         self.vocab_size: int = self.llg_tokenizer.vocab_size
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
+        self.compile_timeout = compile_timeout or None
+        self.pool: CompilePool[CompiledGrammar] = CompilePool(max_workers, timeout=self.compile_timeout)
         self._cache: OrderedDict[str, tuple[Future[CompiledGrammar], int]] = OrderedDict()  # digest -> (future, bytes of the text)
         self._cache_size = cache_size
         self._cache_bytes = cache_bytes
@@ -108,15 +115,19 @@ class GrammarCompiler:
 
     def compile_async(self, params: StructuredOutputsParams) -> Future[CompiledGrammar]:
         """A future of the compiled grammar; it raises InvalidRequestError naming the field
-        when the grammar does not compile."""
+        when the grammar does not compile (see `error_of` for the pool's own failures). The
+        caller is one of its waiters until the future is done or it calls `release`."""
         text = params.cache_key.encode()
         key = hashlib.sha256(text).hexdigest()
         with self._lock:
             entry = self._cache.get(key)
-            if entry is not None:
+            if entry is not None and self.pool.join(entry[0]):
                 self._cache.move_to_end(key)
                 return entry[0]
-            future = self._pool.submit(self._compile, params)
+            if entry is not None:  # given up on (its requests were aborted): compile it anew
+                del self._cache[key]
+                self._cached_bytes -= entry[1]
+            future = self.pool.submit(lambda: self._compile(params))
             self._cache[key] = (future, len(text))
             self._cached_bytes += len(text)
             while len(self._cache) > 1 and (
@@ -137,12 +148,28 @@ class GrammarCompiler:
         with self._lock:
             return list(self._cache)
 
+    def release(self, future: Future[CompiledGrammar]) -> None:
+        """A waiter of `future` (from compile_async) no longer needs it: its request ended."""
+        self.pool.release(future)
+
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """compile_async, waited for."""
-        return self.compile_async(params).result()
+        future = self.compile_async(params)
+        try:
+            return future.result()
+        except CompileTimeout as exc:
+            raise self.error_of(params, exc) from exc
+
+    def error_of(self, params: StructuredOutputsParams, exc: BaseException) -> Exception:
+        """The request's error for a failed compile: a time-out names the field and the flag."""
+        if isinstance(exc, CompileTimeout):
+            return InvalidRequestError(
+                f"{params.param}: the grammar {exc} (--grammar-compile-timeout); a smaller schema "
+                "or grammar compiles faster", param=params.param)
+        return exc if isinstance(exc, Exception) else RuntimeError(str(exc))
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         text = params.grammar_text

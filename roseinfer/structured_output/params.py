@@ -10,8 +10,10 @@ from functools import cached_property
 from typing import Any
 
 import llguidance
+from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
 from roseinfer.errors import InvalidRequestError
+from roseinfer.structured_output import grammar_limits
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _JSON_KINDS = frozenset({"json", "json_object"})
@@ -97,11 +99,24 @@ class StructuredOutputsParams:
         error) is a 400 naming the field, as what `validate` finds is."""
         try:
             if self.kind in _JSON_KINDS:
+                grammar_limits.check_json_schema(self._schema, self.param)
                 return llguidance.LLMatcher.grammar_from_json_schema(
                     self._schema, overrides=self._json_options() or None
                 )
-            # "grammar" takes Lark as it is and converts GBNF with llguidance's own converter.
-            return llguidance.grammar_from(self.kind, getattr(self, self.kind))
+            if self.kind != "grammar":
+                return llguidance.grammar_from(self.kind, getattr(self, self.kind))
+            # Lark as it is; GBNF through llguidance's own converter. Limits first: grammar_limits.py.
+            lark = self.grammar
+            if not is_lark_syntax(lark):
+                grammar_limits.check_gbnf(lark, self.param)
+                try:
+                    lark = gbnf_to_lark(lark)
+                except Exception as exc:  # as llguidance.grammar_from words it
+                    raise ValueError(f"Failed to convert the grammar from GBNF to Lark: {exc}") from exc
+            grammar_limits.check_lark(lark, self.param)
+            return llguidance.LLMatcher.grammar_from_lark(lark)
+        except InvalidRequestError:
+            raise
         except ValueError as exc:
             raise InvalidRequestError(f"invalid {self.param}: {exc}", param=self.param) from exc
 
