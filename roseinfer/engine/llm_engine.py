@@ -11,6 +11,7 @@ from typing import Any
 from roseinfer.config import EngineConfig
 from roseinfer.core.engine_core import EngineCore
 from roseinfer.engine.front_end import EngineFrontEnd
+from roseinfer.engine.stats import StatLogger
 from roseinfer.input_processor import ProcessedRequest, PromptType
 from roseinfer.outputs import RequestOutput
 from roseinfer.sampling_params import SamplingParams
@@ -24,6 +25,9 @@ class LLMEngine(EngineFrontEnd):
         self.engine_core = EngineCore(config, self.model_config)
         self.timings = self.engine_core.timings
         self._request_counter = itertools.count()
+        # Fed after every step with the engine core's stats snapshot and the step's figures;
+        # append one to watch an engine built elsewhere (the seed's SchedulerManager logs so).
+        self.stat_loggers: list[StatLogger] = []
         self.log_ready(time.perf_counter() - started)
 
     @classmethod
@@ -47,10 +51,28 @@ class LLMEngine(EngineFrontEnd):
     ) -> None:
         """Check, tokenize and queue a request (raises InvalidRequestError, leaving nothing queued);
         `cache_salt` as vLLM's (prefix-cache blocks are shared only within one salt)."""
-        self.add_processed_request(self.input_processor.process(
+        self.add_processed_request(self.process_request(
+            request_id, prompt, params, add_special_tokens=add_special_tokens, arrival_time=arrival_time,
+            cache_salt=cache_salt,
+        ))
+
+    def process_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        add_special_tokens: bool = True,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> ProcessedRequest:
+        """`add_request`'s first half: check and tokenize (raises InvalidRequestError), queue
+        nothing. Safe in any thread, so callers can check requests beside the thread that steps
+        the engine and hand them to it for `add_processed_request`."""
+        return self.input_processor.process(
             request_id, prompt, params or SamplingParams(), add_special_tokens=add_special_tokens,
             arrival_time=arrival_time, cache_salt=cache_salt,
-        ))
+        )
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:
         """Queue a request the input processor has checked already (possibly in another thread)."""
@@ -77,5 +99,7 @@ class LLMEngine(EngineFrontEnd):
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(core_outputs.scheduler_stats, processed.iteration_stats)
         clock.lap("output")
         return processed.request_outputs
