@@ -51,31 +51,14 @@ class LLMEngine(EngineFrontEnd):
     ) -> None:
         """Check, tokenize and queue a request (raises InvalidRequestError, leaving nothing queued);
         `cache_salt` as vLLM's (prefix-cache blocks are shared only within one salt)."""
-        self.add_processed_request(self.process_request(
-            request_id, prompt, params, add_special_tokens=add_special_tokens, arrival_time=arrival_time,
-            cache_salt=cache_salt,
-        ))
-
-    def process_request(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        *,
-        add_special_tokens: bool = True,
-        arrival_time: float | None = None,
-        cache_salt: str | None = None,
-    ) -> ProcessedRequest:
-        """`add_request`'s first half: check and tokenize (raises InvalidRequestError), queue
-        nothing. Safe in any thread, so callers can check requests beside the thread that steps
-        the engine and hand them to it for `add_processed_request`."""
-        return self.input_processor.process(
+        self.add_processed_request(self.input_processor.process(
             request_id, prompt, params or SamplingParams(), add_special_tokens=add_special_tokens,
             arrival_time=arrival_time, cache_salt=cache_salt,
-        )
+        ))
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:
-        """Queue a request the input processor has checked already (possibly in another thread)."""
+        """Queue a request that `input_processor.process` has checked already, possibly in another
+        thread (the seed's OnlineScheduler checks in its callers' threads, queues in the stepping one)."""
         for core_request in self.register_request(processed):
             self.engine_core.add_request(core_request)
 

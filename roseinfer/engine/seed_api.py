@@ -252,7 +252,7 @@ class OnlineScheduler:
         """Check and queue a request; returns its id (raises InvalidRequestError on bad input)."""
         llm_engine = self.engine.llm_engine
         request_id = llm_engine.new_request_id()
-        processed = llm_engine.process_request(
+        processed = llm_engine.input_processor.process(
             request_id, prompt_token_ids if prompt_token_ids is not None else prompt,
             _delta_params(sampling_params), add_special_tokens=add_special_tokens,
         )
