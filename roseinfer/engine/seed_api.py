@@ -402,8 +402,8 @@ class SchedulerManager:
         return max(sum(self._sequences.values()) - self._latest_stats.snapshot.num_running, 0)
 
     def start(self) -> None:
-        """Attach to the running event loop (kept for the seed's callers; `add` does it too)."""
-        self._loop = asyncio.get_running_loop()
+        """Kept for the seed's callers: the engine thread runs from the start, and `add` attaches
+        to the caller's event loop."""
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; streams still open end with EngineDeadError."""
