@@ -23,9 +23,11 @@ def add_seed_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int 
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Generate for args.prompts and print each as the seed's offline example does."""
-    from roseinfer.engine.seed_api import InferenceEngine, OfflineScheduler
+    """Generate for args.prompts through `LLM` and print each as the seed's offline example does."""
+    from roseinfer.config import engine_args_from_cli
     from roseinfer.executor.local_workers import run_worker_host_if_asked
+    from roseinfer.input_processor import ChatPrompt
+    from roseinfer.llm import LLM
     from roseinfer.sampling_params import SamplingParams
 
     exit_code = run_worker_host_if_asked(EngineConfig.from_cli_args(args))
@@ -37,45 +39,28 @@ def run_generate(args: argparse.Namespace) -> int:
         prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise RoseInferError("give at least one prompt (as arguments, or one per line on stdin)")
-    # Check the sampling flags before spending seconds on loading the model.
-    SamplingParams.from_seed_args(
+    # The sampling flags are checked before seconds go into loading the model.
+    params = SamplingParams.from_seed_args(
         args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.stop_on_eos,
         args.do_sample, args.seed,
     )
-    engine = InferenceEngine(config=EngineConfig.from_cli_args(args))
-    if getattr(args, "chat", False):
-        prompts = [
-            engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts
-        ]
+    llm = LLM(**engine_args_from_cli(args))
+    chat = getattr(args, "chat", False)
     if getattr(args, "stream", False):
         for index, prompt in enumerate(prompts):
             print(f"### request {index}", flush=True)
-            for piece in engine.stream_generate(
-                prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                args.stop_on_eos, args.do_sample, args.seed,
-            ):
+            request = ChatPrompt([{"role": "user", "content": prompt}]) if chat else prompt
+            for piece in llm.engine.stream(request, params):  # LLM's engine, through the seed's adapter
                 print(piece, end="", flush=True)
             print("\n")
         return 0
-    scheduler = OfflineScheduler(engine)
-    ids = [
-        scheduler.add_request(
-            prompt,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            stop_on_eos=args.stop_on_eos,
-            do_sample=args.do_sample,
-            seed=args.seed,
-            add_special_tokens=not getattr(args, "chat", False),
-        )
-        for prompt in prompts
-    ]
-    outputs = scheduler.run()
-    for request_id in ids:
-        print(f"### request {request_id}")
-        print(outputs[request_id])
+    if chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for index, output in enumerate(outputs):
+        print(f"### request {index}")
+        print(output.outputs[0].text)
         print()
     return 0
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from roseinfer.config import EngineConfig
 from roseinfer.core.core_client import (
@@ -25,8 +24,7 @@ from roseinfer.core.core_client import (
 from roseinfer.core.engine_core import EngineCore
 from roseinfer.core.messages import EngineCoreOutputs, SchedulerStats
 from roseinfer.engine.front_end import EngineFrontEnd
-from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.engine.stats import IterationStats
+from roseinfer.engine.stats import StatLogger
 from roseinfer.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -41,10 +39,6 @@ from roseinfer.sampling_params import SamplingParams
 logger = logging.getLogger("roseinfer")
 
 ENGINE_CORE_MODES = ("thread", "process")
-
-
-class StatLogger(Protocol):
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None: ...
 
 
 @dataclass
@@ -144,8 +138,14 @@ class AsyncLLM(EngineFrontEnd):
             raise ValueError(f"engine_core must be one of {ENGINE_CORE_MODES}, got {engine_core!r}")
         started = time.perf_counter()
         super().__init__(config)
-        self._init_state(max_queue_len, stat_loggers)
-        self.request_timeout = request_timeout
+        self.max_queue_len = max_queue_len
+        self.stat_loggers = list(stat_loggers)
+        self.scheduler_stats = SchedulerStats()  # the latest snapshot from the engine core
+        self._streams: dict[str, RequestOutputStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dead_reason: str | None = None
+        self.request_timeout = request_timeout  # seconds from arrival to the last output
+        self.refusing: str | None = None  # why new requests are refused (shutting down), or None
         if engine_core == "process":
             self.core: EngineCoreClient = ProcessEngineCoreClient(
                 config, self.model_config, self._deliver, self._engine_died
@@ -157,36 +157,6 @@ class AsyncLLM(EngineFrontEnd):
             )
         self.engine_core_mode = engine_core
         self.log_ready(time.perf_counter() - started)
-
-    @classmethod
-    def over_llm_engine(
-        cls, make_engine: Callable[[], LLMEngine], *, max_queue_len: int | None = None,
-        stat_loggers: Sequence[StatLogger] = (),
-    ) -> AsyncLLM:
-        """An AsyncLLM over the engine core of an LLMEngine that `make_engine` builds in the engine
-        thread (which then steps it); the LLMEngine's own step is not used any more."""
-        self = cls.__new__(cls)
-        self._init_state(max_queue_len, stat_loggers)
-        built: list[LLMEngine] = []
-
-        def make_core() -> EngineCore:
-            built.append(make_engine())
-            return built[0].engine_core
-
-        self.core = ThreadedEngineCoreClient(make_core, self._deliver, self._engine_died)
-        self.adopt_front_end(built[0])
-        self.engine_core_mode = "thread"
-        return self
-
-    def _init_state(self, max_queue_len: int | None, stat_loggers: Sequence[StatLogger]) -> None:
-        self.max_queue_len = max_queue_len
-        self.stat_loggers = list(stat_loggers)
-        self.scheduler_stats = SchedulerStats()  # the latest snapshot from the engine core
-        self._streams: dict[str, RequestOutputStream] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.dead_reason: str | None = None
-        self.request_timeout: float | None = None  # seconds from arrival to the last output
-        self.refusing: str | None = None  # why new requests are refused (shutting down), or None
 
     # -- state ----------------------------------------------------------------------------
     @property

@@ -33,13 +33,6 @@ class EngineFrontEnd:
                                               PoolingParams(config.pooling, config.pooling_normalize))
         self.output_processor = OutputProcessor(self.tokenizer)
 
-    def adopt_front_end(self, other: EngineFrontEnd) -> None:
-        """Take another front end's model, tokenizer and configuration (with new output state)."""
-        self.model_config, self.config, self.tokenizer = other.model_config, other.config, other.tokenizer
-        self.model_name, self.max_model_len = other.model_name, other.max_model_len
-        self.input_processor, self.reasoning_parser = other.input_processor, other.reasoning_parser
-        self.output_processor = OutputProcessor(self.tokenizer)
-
     def register_request(self, processed: ProcessedRequest) -> list[EngineCoreRequest]:
         """Let the output processor expect the request's outputs; returns what the core runs."""
         self.output_processor.add_request(

@@ -12,6 +12,7 @@ from typing import Any
 from roseinfer.config import EngineConfig
 from roseinfer.core.engine_core import EngineCore
 from roseinfer.engine.front_end import EngineFrontEnd
+from roseinfer.engine.stats import StatLogger
 from roseinfer.input_processor import ProcessedRequest, PromptType
 from roseinfer.outputs import PoolingRequestOutput, RequestOutput
 from roseinfer.pooling_params import PoolingParams
@@ -26,6 +27,9 @@ class LLMEngine(EngineFrontEnd):
         self.engine_core = EngineCore(config, self.model_config)
         self.timings = self.engine_core.timings
         self._request_counter = itertools.count()
+        # Fed after every step with the engine core's stats snapshot and the step's figures;
+        # append one to watch an engine built elsewhere (the seed's SchedulerManager logs so).
+        self.stat_loggers: list[StatLogger] = []
         self.log_ready(time.perf_counter() - started)
 
     @classmethod
@@ -55,7 +59,8 @@ class LLMEngine(EngineFrontEnd):
         ))
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:
-        """Queue a request the input processor has checked already (possibly in another thread)."""
+        """Queue a request that `input_processor.process` has checked already, possibly in another
+        thread (the seed's OnlineScheduler checks in its callers' threads, queues in the stepping one)."""
         for core_request in self.register_request(processed):
             self.engine_core.add_request(core_request)
 
@@ -79,5 +84,7 @@ class LLMEngine(EngineFrontEnd):
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(core_outputs.scheduler_stats, processed.iteration_stats)
         clock.lap("output")
         return processed.request_outputs

@@ -1,18 +1,23 @@
-"""The seed project's names, kept working with their signatures as thin adapters over the engine:
+"""The seed project's names, kept working with their signatures as thin adapters over the public
+`LLMEngine` API:
 
     InferenceEngine    the seed's engine: `generate`, `stream_generate`, `add_request`, `step`,
                        over an `LLMEngine` (also `LLM.engine`), with read-only views of its parts
     InferenceSession   a request's state in the engine core (`roseinfer.request.Request`)
     OfflineScheduler   the seed's batch API: `add_request`, `step`, `has_unfinished`, `run`
     OnlineScheduler    an engine fed from other threads while one thread steps it
-    SchedulerManager   the event-loop bridge the seed's server used; now an `AsyncLLM` underneath
+    SchedulerManager   the seed's event-loop bridge: an OnlineScheduler stepped in a thread of its own
 
-Request ids are ints here, as the seed had them; deltas are `OutputDelta`s.
+The seed's sampling arguments (`max_new_tokens`, `temperature`, `top_k`, `top_p`, `stop_on_eos`,
+`do_sample`, `seed`) become a `SamplingParams` in one place, `SamplingParams.from_seed_args`; the
+methods here pass them through as given. Request ids are ints here, as the seed had them; deltas
+are `OutputDelta`s.
 """
 
 from __future__ import annotations
 
-import itertools
+import asyncio
+import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -20,11 +25,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from roseinfer.config import EngineConfig
+from roseinfer.core.messages import SchedulerStats
 from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.input_processor import ProcessedRequest
+from roseinfer.engine.stats import IterationStats, LoggingStatLogger
+from roseinfer.errors import EngineDeadError, EngineOverloadedError
+from roseinfer.input_processor import ProcessedRequest, PromptType
 from roseinfer.outputs import RequestOutput, TokenLogprob
 from roseinfer.request import Request
 from roseinfer.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("roseinfer")
 
 InferenceSession = Request
 
@@ -44,11 +54,11 @@ class OutputDelta:
     error: str | None = None
 
 
-def _deltas(output: RequestOutput) -> list[OutputDelta]:
+def _deltas(outputs: Sequence[RequestOutput]) -> list[OutputDelta]:
     return [
         OutputDelta(int(output.request_id), c.index, c.token_ids, c.text, c.finished, c.finish_reason,
                     c.stop_reason, c.logprobs, c.error)
-        for c in output.outputs
+        for output in outputs for c in output.outputs
     ]
 
 
@@ -115,13 +125,13 @@ class InferenceEngine:
     # -- requests -------------------------------------------------------------------------
     def add_request(
         self,
-        prompt: str | Sequence[int] | None = None,
+        prompt: PromptType | None = None,
         sampling_params: SamplingParams | None = None,
         *,
         prompt_token_ids: Sequence[int] | None = None,
         add_special_tokens: bool = True,
     ) -> int:
-        """Queue a request (text or token ids); returns its id. `step` gives its deltas."""
+        """Queue a request (text, token ids or a ChatPrompt); returns its id. `step` gives its deltas."""
         request_id = self.llm_engine.new_request_id()
         self.llm_engine.add_request(
             request_id, prompt_token_ids if prompt_token_ids is not None else prompt,
@@ -136,39 +146,23 @@ class InferenceEngine:
         return self.llm_engine.has_unfinished_requests()
 
     def step(self) -> list[OutputDelta]:
-        """One engine step; the deltas of the requests added through this API."""
-        return [delta for output in self.llm_engine.step() for delta in _deltas(output)]
+        """One engine step; the deltas of the requests it touched."""
+        return _deltas(self.llm_engine.step())
 
     # -- the seed's convenience API -------------------------------------------------------
-    def generate(
-        self,
-        prompt: str,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        stop_on_eos: bool = True,
-        do_sample: bool = False,
-        seed: int | None = None,
-    ) -> str:
-        return "".join(
-            self.stream_generate(prompt, max_new_tokens, temperature, top_k, top_p, stop_on_eos, do_sample, seed)
-        )
+    def generate(self, prompt: PromptType, *seed_args: Any, **seed_kwargs: Any) -> str:
+        """The whole text of one request; the seed's sampling arguments as `from_seed_args` takes
+        them (`max_new_tokens=64`, greedy unless `do_sample`, ...)."""
+        return "".join(self.stream_generate(prompt, *seed_args, **seed_kwargs))
 
-    def stream_generate(
-        self,
-        prompt: str,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        stop_on_eos: bool = True,
-        do_sample: bool = False,
-        seed: int | None = None,
-    ) -> Iterator[str]:
-        """Yields text pieces of one request as they are generated (other queued requests run too)."""
-        params = SamplingParams.from_seed_args(max_new_tokens, temperature, top_k, top_p, stop_on_eos, do_sample, seed)
-        request_id = self.add_request(prompt, params)
+    def stream_generate(self, prompt: PromptType, *seed_args: Any, **seed_kwargs: Any) -> Iterator[str]:
+        """`generate`'s text in pieces as they are generated."""
+        return self.stream(prompt, SamplingParams.from_seed_args(*seed_args, **seed_kwargs))
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yields text pieces of one request as they are generated (other queued requests run too);
+        leaving early aborts it."""
+        request_id = self.add_request(prompt, sampling_params)
         try:
             while True:
                 for delta in self.step():
@@ -193,19 +187,9 @@ class OfflineScheduler:
         self._tokens: dict[int, list[int]] = {}
         self._finished: set[int] = set()
 
-    def add_request(
-        self,
-        prompt: str,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        stop_on_eos: bool = True,
-        do_sample: bool = False,
-        seed: int | None = None,
-        add_special_tokens: bool = True,
-    ) -> int:
-        params = SamplingParams.from_seed_args(max_new_tokens, temperature, top_k, top_p, stop_on_eos, do_sample, seed)
+    def add_request(self, prompt: str, *seed_args: Any, add_special_tokens: bool = True, **seed_kwargs: Any) -> int:
+        """Queue a prompt with the seed's sampling arguments (as `SamplingParams.from_seed_args`)."""
+        params = SamplingParams.from_seed_args(*seed_args, **seed_kwargs)
         request_id = self.engine.add_request(prompt, params, add_special_tokens=add_special_tokens)
         self._texts[request_id] = []
         self._tokens[request_id] = []
@@ -259,7 +243,7 @@ class OnlineScheduler:
 
     def add_request(
         self,
-        prompt: str | Sequence[int] | None = None,
+        prompt: PromptType | None = None,
         sampling_params: SamplingParams | None = None,
         *,
         prompt_token_ids: Sequence[int] | None = None,
@@ -311,20 +295,34 @@ class OnlineScheduler:
         for processed in inbox:
             if int(processed.request_id) not in aborts:
                 llm_engine.add_processed_request(processed)
-        for request_id in aborts:
-            llm_engine.abort_request(str(request_id))
-        deltas = self.engine.step() if llm_engine.has_unfinished_requests() else []
-        parents = llm_engine.output_processor.parents
-        done = {d.request_id for d in deltas if d.finished and str(d.request_id) not in parents} | aborts
+        llm_engine.abort_request([str(request_id) for request_id in aborts])
+        outputs = llm_engine.step() if llm_engine.has_unfinished_requests() else []
+        # A request is done when its output says so (with n > 1: all of its sequences).
+        done = {int(output.request_id) for output in outputs if output.finished} | aborts
         with self._lock:
             self._live -= done
-        return deltas
+        return _deltas(outputs)
+
+
+class _LatestSchedulerStats:
+    """A stat logger that keeps the engine core's newest snapshot (running and waiting counts)."""
+
+    def __init__(self) -> None:
+        self.snapshot = SchedulerStats()
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None:
+        if scheduler_stats is not None:
+            self.snapshot = scheduler_stats
 
 
 class SchedulerManager:
-    """The seed's bridge between an event loop and an engine thread, now an `AsyncLLM` whose
-    engine core runs in that thread (built there by `engine`, an InferenceEngine factory).
-    `add` queues token ids; `stream` yields the request's OutputDeltas; leaving it aborts."""
+    """The seed's bridge between an event loop and an engine thread: an OnlineScheduler stepped in
+    a thread of its own, each request's deltas handed to the event loop. `engine` is an
+    InferenceEngine, or a factory of one that runs in that thread (PyTorch's thread pools belong
+    to the thread that loads the model). `add` queues token ids (from the event loop); `stream`
+    yields the request's OutputDeltas; leaving it early aborts the request. `max_queue_len` bounds
+    the sequences waiting (EngineOverloadedError beyond it); a throughput line is logged every
+    `stats_interval` seconds. (The server's AsyncLLM is the same bridge over a bare engine core.)"""
 
     def __init__(
         self,
@@ -332,44 +330,125 @@ class SchedulerManager:
         max_queue_len: int | None = None,
         stats_interval: float = 10.0,
     ) -> None:
-        from roseinfer.engine.async_llm import AsyncLLM
-        from roseinfer.engine.stats import LoggingStatLogger
-
         factory = engine if callable(engine) and not isinstance(engine, InferenceEngine) else (lambda: engine)
-        self.async_llm = AsyncLLM.over_llm_engine(
-            lambda: factory().llm_engine, max_queue_len=max_queue_len,
-            stat_loggers=[LoggingStatLogger(stats_interval)],
-        )
-        self._ids = itertools.count()
-        self._streams: dict[int, Any] = {}
+        self.max_queue_len = max_queue_len
+        self.dead_reason: str | None = None
+        self._latest_stats = _LatestSchedulerStats()
+        self._stat_loggers = [self._latest_stats, LoggingStatLogger(stats_interval)]
+        self._streams: dict[int, asyncio.Queue[OutputDelta | BaseException | None]] = {}
+        self._sequences: dict[int, int] = {}  # unfinished request -> its sequences (n)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(factory,), name="roseinfer-seed-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            raise self._load_error
+
+    # -- the engine thread ------------------------------------------------------------------
+    def _run(self, factory: Callable[[], InferenceEngine]) -> None:
+        try:
+            engine = factory()
+            engine.llm_engine.stat_loggers.extend(self._stat_loggers)
+            self.online = OnlineScheduler(engine)
+        except BaseException as exc:  # raised by __init__ in the caller's thread
+            self._load_error = exc
+            return
+        finally:
+            self._ready.set()
+        try:
+            while not self._stopping:
+                if self.online.wait_for_work(timeout=0.2):
+                    deltas = self.online.step()
+                    ended = {d.request_id for d in deltas if self.online.is_finished(d.request_id)}
+                    self._to_loop(self._dispatch, deltas, ended)
+        except Exception as exc:
+            logger.exception("the seed engine thread stopped")
+            self.dead_reason = f"the engine thread stopped: {type(exc).__name__}: {exc}"
+            self._to_loop(self._fail_all, self.dead_reason)
+        finally:
+            for stat_logger in self._stat_loggers:
+                engine.llm_engine.stat_loggers.remove(stat_logger)
+
+    def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(callback, *args)
+
+    # -- the event loop ---------------------------------------------------------------------
+    def _dispatch(self, deltas: list[OutputDelta], ended: set[int]) -> None:
+        for delta in deltas:
+            if (queue := self._streams.get(delta.request_id)) is not None:
+                queue.put_nowait(delta)
+        for request_id in ended:
+            self._sequences.pop(request_id, None)
+            if (queue := self._streams.get(request_id)) is not None:
+                queue.put_nowait(None)
+
+    def _fail_all(self, reason: str) -> None:
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError(f"the engine stopped: {reason}"))
+        self._sequences.clear()
 
     @property
     def alive(self) -> bool:
-        return self.async_llm.alive
+        return self.dead_reason is None and not self._stopping and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences accepted here and not yet running."""
+        return max(sum(self._sequences.values()) - self._latest_stats.snapshot.num_running, 0)
 
     def start(self) -> None:
-        """Attach to the running event loop (kept for the seed's callers; nothing else to do)."""
+        """Kept for the seed's callers: the engine thread runs from the start, and `add` attaches
+        to the caller's event loop."""
 
     def stop(self, timeout: float = 10.0) -> None:
-        self.async_llm.shutdown(timeout)
+        """Stop the engine thread; streams still open end with EngineDeadError."""
+        self._stopping = True
+        self.online.wake()
+        self._thread.join(timeout)
+        self._to_loop(self._fail_all, "shut down")
 
     def add(self, token_ids: Sequence[int], params: SamplingParams, prompt: str | None = None) -> int:
-        """Queue a request from the event loop (raises InvalidRequestError, EngineOverloadedError);
-        read its deltas with `stream`."""
-        request_id = next(self._ids)
-        processed = self.async_llm.input_processor.process(str(request_id), list(token_ids), _delta_params(params))
-        self._streams[request_id] = self.async_llm.add_processed_requests([processed])
+        """Queue a request from the event loop (raises InvalidRequestError, EngineOverloadedError,
+        EngineDeadError); read its deltas with `stream`. `prompt`, the text of `token_ids` that
+        the seed's callers passed along, is not needed: the ids are what runs."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine is not running ({self.dead_reason or 'stopped'})")
+        self._loop = asyncio.get_running_loop()
+        wanted = (params or SamplingParams()).n
+        if self.max_queue_len is not None and self.num_waiting + wanted > self.max_queue_len:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {self.num_waiting} requests are waiting "
+                f"(limit {self.max_queue_len}); retry later"
+            )
+        request_id = self.online.add_request(prompt_token_ids=list(token_ids), sampling_params=params)
+        # Registered before the engine thread's first delta for it can reach this loop.
+        self._streams[request_id] = asyncio.Queue()
+        self._sequences[request_id] = wanted
         return request_id
 
     async def stream(self, request_id: int) -> AsyncIterator[OutputDelta]:
         """The request's deltas until its last one; leaving early aborts the request."""
-        stream = self._streams.pop(request_id)
+        queue = self._streams[request_id]
         try:
-            async for output in stream:
-                for delta in _deltas(output):
-                    yield delta
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
         finally:
-            stream.close()
+            self._streams.pop(request_id, None)
+            self.abort(request_id)
 
     def abort(self, request_id: int) -> None:
-        self.async_llm.abort_request(str(request_id))
+        """End a request (its stream ends after a last delta with finish_reason "abort");
+        unknown or finished ids are ignored."""
+        if self._sequences.pop(request_id, None) is None:
+            return
+        self.online.abort(request_id)
+        if (queue := self._streams.get(request_id)) is not None:
+            queue.put_nowait(OutputDelta(request_id, 0, [], "", True, "abort"))
+            queue.put_nowait(None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from roseinfer.core.messages import SchedulerStats
 
@@ -30,6 +31,12 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+class StatLogger(Protocol):
+    """What LLMEngine and AsyncLLM feed after every batch of outputs."""
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None: ...
 
 
 class LoggingStatLogger:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -34,9 +33,8 @@ from roseinfer.server.anthropic_serving import (
     in_anthropic_terms,
     prompt_of,
 )
-from roseinfer.server.app import _unless_disconnected
+from roseinfer.server.api_family import ApiContext, unless_disconnected
 from roseinfer.server.openapi import _ERRORS, _RETRY_AFTER, finish_document
-from roseinfer.server.serving import OpenAIServing
 
 PATH_PREFIX = "/v1/messages"
 
@@ -120,9 +118,10 @@ def _reshaped(status: int, body: bytes) -> bytes:
     return json.dumps(anthropic_error_body(status, message), ensure_ascii=False).encode()
 
 
-def register_anthropic_api(app: FastAPI, serving: OpenAIServing, check_model: Callable[[str | None], None]) -> None:
+def register(app: FastAPI, context: ApiContext) -> None:
     """Add the Messages routes and their error shaping to the app (call it after the app's other
     middleware is added, so that the shaping wraps them all)."""
+    serving, check_model = context.serving, context.check_model
     anthropic = AnthropicServing(serving)
     engine = serving.engine
     router = APIRouter(tags=["Anthropic Messages"])
@@ -141,7 +140,7 @@ def register_anthropic_api(app: FastAPI, serving: OpenAIServing, check_model: Ca
         if body.stream:
             return StreamingResponse(guarded_events(anthropic.message_stream(body, submitted)),
                                      media_type="text/event-stream")
-        return await _unless_disconnected(request, anthropic.message(body, submitted))
+        return await unless_disconnected(request, anthropic.message(body, submitted))
 
     @router.post(PATH_PREFIX + "/count_tokens", responses=_errors(400, 401, 404, 413))
     async def count_tokens(body: CountTokensRequest) -> TokenCount:

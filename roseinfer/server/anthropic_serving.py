@@ -323,7 +323,7 @@ class AnthropicServing:
         self.serving = serving
 
     async def message(self, body: MessagesRequest, submitted: Submitted) -> MessageResponse:
-        (output,) = await self.serving._final_outputs(submitted)
+        (output,) = await self.serving.final_outputs(submitted)
         completion = output.outputs[0]
         text: str | None = completion.text
         calls: list[ToolCall] = []
@@ -352,7 +352,7 @@ class AnthropicServing:
         parser = self.serving.reasoning_parser
         reasoning: ReasoningStream | None = None
         last: CompletionOutput | None = None
-        async for output in self.serving._outputs(submitted):
+        async for output in self.serving.outputs(submitted):
             completion = output.outputs[0]
             if completion.error is not None:
                 raise generation_failure(completion)

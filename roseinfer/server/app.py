@@ -1,10 +1,7 @@
-"""The HTTP server: FastAPI routes, OpenAI-style errors, API keys, and `roseinfer serve`.
+"""The HTTP server: the app, OpenAI-style errors, the server-wide middleware (API key, body
+limits, hosts), and the API families, each a module with its own router (`API_FAMILIES`).
 
-Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /generate (the seed's), GET /metrics (Prometheus), GET /get_load (for load balancers); other
-API families in modules of their own (anthropic_api: POST /v1/messages[/count_tokens];
-tokenize_api: POST /tokenize, /detokenize; responses_api: /v1/responses). With an
-API key every route but the chat page, /health and /metrics needs it (those two too with
+With an API key every route but the chat page, /health and /metrics needs it (those two too with
 `protect_metrics`).
 """
 
@@ -12,37 +9,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from roseinfer.engine.async_llm import AsyncLLM
 from roseinfer.errors import EngineDeadError, RoseInferError
-from roseinfer.server.error_responses import GenerationError, error_response, response_for
-from roseinfer.server.metrics import CONTENT_TYPE, PrometheusStatLogger
-from roseinfer.server.middleware import ApiKeyGuard, BodyDeadline, BodyLimit, ErrorGuard, HostGuard
-from roseinfer.server.openapi import errors, finish_document, streamed
-from roseinfer.server.protocol import (
-    MAX_NESTING_DEPTH,
-    UNSUPPORTED_FIELDS,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    GenerateRequest,
-    GenerateResponse,
-    ModelCard,
-    ModelList,
+from roseinfer.server import (
+    anthropic_api,
+    embeddings_api,
+    generate_api,
+    health_api,
+    metrics_api,
+    openai_api,
+    responses_api,
+    tokenize_api,
+    web_ui,
 )
+from roseinfer.server.api_family import ApiContext, ApiError, ApiFamily
+from roseinfer.server.error_responses import GenerationError, error_response, response_for
+from roseinfer.server.metrics import PrometheusStatLogger
+from roseinfer.server.middleware import ApiKeyGuard, BodyDeadline, BodyLimit, ErrorGuard, HostGuard
+from roseinfer.server.protocol import MAX_NESTING_DEPTH, UNSUPPORTED_FIELDS
 from roseinfer.server.response_store import ResponseStore
-from roseinfer.server.serving import OpenAIServing, guarded_sse, guarded_text
+from roseinfer.server.serving import OpenAIServing
 
 logger = logging.getLogger("roseinfer.server")
 
@@ -51,11 +45,19 @@ logger = logging.getLogger("roseinfer.server")
 OPEN_PATHS = {"/", "/health", "/metrics", "/get_load"}
 OPEN_PREFIXES = ("/static/",)
 
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+# The API families, in the order their routes are added (and /openapi.json lists them). Anthropic's
+# last: the middleware that gives its routes Anthropic's error shape must wrap all the others.
+API_FAMILIES: list[ApiFamily] = [
+    health_api,  # GET /health, GET /get_load
+    openai_api,  # GET /v1/models, POST /v1/completions, POST /v1/chat/completions
+    generate_api,  # the seed's POST /generate
+    metrics_api,  # GET /metrics (Prometheus)
+    web_ui,  # the chat page at / (and /static/)
+    responses_api,  # POST /v1/responses, GET and DELETE /v1/responses/{id}
+    tokenize_api,  # POST /tokenize, POST /detokenize
+    embeddings_api,  # POST /v1/embeddings
+    anthropic_api,  # POST /v1/messages, POST /v1/messages/count_tokens
+]
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -80,33 +82,6 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {message}{extra}" if param else f"{message}{extra}"), param
 
 
-async def _until_disconnected(request: Request) -> None:
-    """Returns when the client goes away (the body has been read, so only that can arrive)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Response:
-    """Run a whole-response request; cancel it (which aborts its engine requests) if the client
-    disconnects first. Both tasks are awaited to the end, so none is left pending."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
-        logger.info("%s: client disconnected; request aborted", request.url.path)
-        return Response(status_code=499)
-    result = task.result()  # its error, if any, goes to the exception handlers
-    return JSONResponse(result.model_dump() if isinstance(result, BaseModel) else result)
-
-
 def create_app(
     engine: AsyncLLM,
     metrics: PrometheusStatLogger,
@@ -125,7 +100,8 @@ def create_app(
     is the stat logger the engine feeds. `app.state.begin_shutdown(timeout)` starts a graceful
     shutdown (see there)."""
     model_name = served_model_name or engine.model_name
-    serving = OpenAIServing(engine, model_name, tool_call_parser)
+    context = ApiContext(engine, OpenAIServing(engine, model_name, tool_call_parser), model_name, metrics,
+                         response_store if response_store is not None else ResponseStore(), enable_web_ui)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -136,7 +112,6 @@ def create_app(
 
     app = FastAPI(title="roseinfer", lifespan=lifespan)
     app.state.engine = engine
-    finish_document(app, extra_models=[ChatCompletionChunk])
 
     def begin_shutdown(timeout: float) -> None:
         """New requests get 503 from now on; requests still running `timeout` seconds later end
@@ -148,12 +123,7 @@ def create_app(
 
     app.state.begin_shutdown = begin_shutdown
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{model_name}`.",
-                           "model", "model_not_found")
-
-    # -- errors -------------------------------------------------------------------------
+    # -- errors: OpenAI's shape (an API family may reshape its own, as Anthropic's does) ------
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param, exc.code)
@@ -185,72 +155,7 @@ def create_app(
                                        f"may nest them at most {MAX_NESTING_DEPTH} levels deep")
         return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
-    # -- routes ---------------------------------------------------------------------------
-    @app.get("/health", responses={200: {"content": {"application/json": {"schema": {
-        "type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}}}}} | errors(401, 503))
-    async def health() -> Response:
-        if not engine.alive:
-            return error_response(503, "the engine loop is not running")
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/get_load")
-    async def get_load() -> Response:
-        """Requests in flight (running and waiting): what a router's least-load policy compares
-        (vllm-router's and sglang-router's power_of_two poll this route)."""
-        return JSONResponse({"load": engine.num_running + engine.num_waiting,
-                             "num_running": engine.num_running, "num_waiting": engine.num_waiting})
-
-    @app.get("/v1/models", responses=errors(401))
-    async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=engine.model_name, max_model_len=engine.max_model_len)])
-
-    generation_errors = errors(400, 401, 404, 408, 413, 500, 503)
-
-    @app.post("/v1/completions", responses=streamed(CompletionResponse, CompletionResponse) | generation_errors)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        submitted = await serving.submit("/v1/completions", "cmpl", serving.completion_requests(body), body.n)
-        if body.stream:
-            return StreamingResponse(guarded_sse(serving.completion_stream(body, submitted)),
-                                     media_type="text/event-stream")
-        return await _unless_disconnected(request, serving.completion(body, submitted))
-
-    @app.post("/v1/chat/completions", responses=streamed(ChatCompletionResponse, ChatCompletionChunk) | generation_errors)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        requests, tool_calling = serving.chat_requests(body)
-        submitted = await serving.submit("/v1/chat/completions", "chatcmpl", requests, body.n, tool_calling)
-        if body.stream:
-            return StreamingResponse(guarded_sse(serving.chat_stream(body, submitted)),
-                                     media_type="text/event-stream")
-        return await _unless_disconnected(request, serving.chat(body, submitted))
-
-    @app.post("/generate", responses={200: {
-        "model": GenerateResponse,
-        "description": "The whole response; with `stream: true`, the text as it is generated (plain "
-                       "text; a request that fails after the stream has started ends with a line "
-                       "`[error] <message>`).",
-        "content": {"text/plain": {"schema": {"type": "string"}}},
-    }} | errors(400, 401, 408, 413, 500, 503))
-    async def generate(body: GenerateRequest, request: Request) -> Response:
-        submitted = await serving.submit("/generate", "gen", serving.generate_requests(body), 1)
-        if body.stream:
-            return StreamingResponse(guarded_text(serving.generate_stream(submitted)),
-                                     media_type="text/plain; charset=utf-8")
-        return await _unless_disconnected(request, serving.generate(submitted))
-
-    @app.get("/metrics", response_class=Response, responses={200: {
-        "description": "The metrics in Prometheus' text format.",
-        "content": {"text/plain": {"schema": {"type": "string"}}},
-    }} | errors(401))
-    async def metrics_route() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    if enable_web_ui:  # the chat page at / (open to all; the page sends the API key itself)
-        from roseinfer.server.web_ui import add_web_ui
-
-        add_web_ui(app)
-
+    # -- the server-wide middleware, then the API families (whose own middleware wraps it) ---
     if body_timeout:
         app.add_middleware(BodyDeadline, seconds=body_timeout)
     if max_body_bytes is not None:
@@ -261,16 +166,7 @@ def create_app(
                            respond=lambda status, message: error_response(status, message, code="invalid_api_key"))
     if allowed_hosts is not None:  # before the key: a rebinding page has no key, but say why
         app.add_middleware(HostGuard, allowed=allowed_hosts, respond=error_response)
-    app.add_middleware(ErrorGuard, respond=error_response)  # added last: the outermost
-    # API families of their own modules (imported here: they import this one). Anthropic's last:
-    # its error shaping must wrap all the above.
-    from roseinfer.server.anthropic_api import register_anthropic_api
-    from roseinfer.server.embeddings_api import register_embeddings_api
-    from roseinfer.server.responses_api import register_responses
-    from roseinfer.server.tokenize_api import register_tokenize_api
-
-    register_responses(app, serving, response_store if response_store is not None else ResponseStore(), check_model)
-    register_tokenize_api(app, serving, check_model)
-    register_embeddings_api(app, serving, check_model)
-    register_anthropic_api(app, serving, check_model)
+    app.add_middleware(ErrorGuard, respond=error_response)  # the outermost of the server's own
+    for family in API_FAMILIES:
+        family.register(app, context)
     return app

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
@@ -21,11 +20,10 @@ from roseinfer.engine.async_llm import NewRequest, RequestOutputStream
 from roseinfer.errors import InvalidRequestError
 from roseinfer.outputs import PoolingRequestOutput
 from roseinfer.pooling_params import PoolingParams
-from roseinfer.server.app import _unless_disconnected
+from roseinfer.server.api_family import ApiContext, unless_disconnected
 from roseinfer.server.error_responses import GenerationError
 from roseinfer.server.openapi import errors
 from roseinfer.server.protocol import StrictModel, TokenIds, new_id
-from roseinfer.server.serving import OpenAIServing
 
 logger = logging.getLogger("roseinfer.server")
 
@@ -98,7 +96,8 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
-def register_embeddings_api(app: FastAPI, serving: OpenAIServing, check_model: Callable[[str | None], None]) -> None:
+def register(app: FastAPI, context: ApiContext) -> None:
+    serving, check_model = context.serving, context.check_model
     engine = serving.engine
     router = APIRouter(tags=["Embeddings"])
 
@@ -150,7 +149,7 @@ def register_embeddings_api(app: FastAPI, serving: OpenAIServing, check_model: C
         (unless --no-normalize or `normalize: false`)."""
         check_model(body.model)
         ids, stream = await submit(body)
-        result: Response = await _unless_disconnected(request, respond(body, ids, stream))
+        result: Response = await unless_disconnected(request, respond(body, ids, stream))
         return result
 
     app.include_router(router)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -26,7 +26,7 @@ from roseinfer.input_processor import ChatPrompt
 from roseinfer.outputs import CompletionOutput
 from roseinfer.reasoning import ReasoningDelta, ReasoningStream
 from roseinfer.reasoning.base import Phase
-from roseinfer.server.app import ApiError, _unless_disconnected
+from roseinfer.server.api_family import ApiContext, ApiError, unless_disconnected
 from roseinfer.server.error_responses import (
     GenerationError,
     error_type,
@@ -232,7 +232,7 @@ class ResponsesServing:
 
     async def create(self, body: ResponsesRequest, submitted: Submitted,
                      conversation: list[dict[str, Any]]) -> dict[str, Any]:
-        (output,) = await self.serving._final_outputs(submitted)
+        (output,) = await self.serving.final_outputs(submitted)
         completion = output.outputs[0]
         builder = OutputBuilder()
         tools = submitted.tool_calling.stream() if submitted.tool_calling is not None else None
@@ -259,7 +259,7 @@ class ResponsesServing:
             tools = submitted.tool_calling.stream() if submitted.tool_calling is not None else None
             status = "completed"
             reasoning: ReasoningStream | None = None
-            async for output in self.serving._outputs(submitted):
+            async for output in self.serving.outputs(submitted):
                 for completion in output.outputs:
                     if completion.error is not None:
                         raise generation_failure(completion)
@@ -331,10 +331,10 @@ def _not_found(what: str) -> dict[int | str, dict[str, Any]]:
     return {404: {"model": ErrorResponse, "description": what}}
 
 
-def register_responses(app: FastAPI, serving: OpenAIServing, store: ResponseStore,
-                       check_model: Callable[[str | None], None]) -> None:
+def register(app: FastAPI, context: ApiContext) -> None:
     """Add the Responses API's routes to `app` (whose handlers turn errors into OpenAI's shape)."""
-    responses = ResponsesServing(serving, store)
+    store, check_model = context.response_store, context.check_model
+    responses = ResponsesServing(context.serving, store)
     router = APIRouter()
 
     def stored(response_id: str) -> dict[str, Any]:
@@ -352,7 +352,7 @@ def register_responses(app: FastAPI, serving: OpenAIServing, store: ResponseStor
         submitted, conversation = await responses.submit(body)
         if body.stream:
             return StreamingResponse(responses.stream(body, submitted, conversation), media_type="text/event-stream")
-        return await _unless_disconnected(request, responses.create(body, submitted, conversation))
+        return await unless_disconnected(request, responses.create(body, submitted, conversation))
 
     @router.get(ROUTE + "/{response_id}", responses=errors(401) | _not_found("No stored response has this id."))
     async def get_response(response_id: str) -> ResponseObject:

@@ -5,13 +5,13 @@ Errors are OpenAI's error object, as vLLM answers these routes with."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from roseinfer.errors import InvalidRequestError
+from roseinfer.server.api_family import ApiContext
 from roseinfer.server.openapi import errors
 from roseinfer.server.protocol import (
     MAX_NESTING_DEPTH,
@@ -22,7 +22,6 @@ from roseinfer.server.protocol import (
     ToolDefinition,
     nesting_depth_exceeds,
 )
-from roseinfer.server.serving import OpenAIServing
 
 _CHAT_ONLY = ("add_generation_prompt", "chat_template_kwargs", "tools", "parse_special_tokens_in_messages")
 
@@ -81,7 +80,8 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def register_tokenize_api(app: FastAPI, serving: OpenAIServing, check_model: Callable[[str | None], None]) -> None:
+def register(app: FastAPI, context: ApiContext) -> None:
+    serving, check_model = context.serving, context.check_model
     engine = serving.engine
     tokenizer = engine.tokenizer
     router = APIRouter(tags=["Tokenizer"])

@@ -14,6 +14,8 @@ from fastapi.responses import FileResponse
 from starlette.staticfiles import StaticFiles
 from starlette.types import Scope
 
+from roseinfer.server.api_family import ApiContext
+
 STATIC_DIR = Path(__file__).with_name("static")
 
 # The page loads nothing from another origin, and markup that got past the Markdown sanitiser
@@ -31,6 +33,12 @@ class _RevalidatedStaticFiles(StaticFiles):
         response = super().file_response(full_path, stat_result, scope, status_code)
         response.headers.update(NO_CACHE)
         return response
+
+
+def register(app: FastAPI, context: ApiContext) -> None:
+    """The chat page, unless the server runs without it (--disable-web-ui)."""
+    if context.enable_web_ui:
+        add_web_ui(app)
 
 
 def add_web_ui(app: FastAPI) -> None:
