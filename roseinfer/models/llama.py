@@ -26,6 +26,7 @@ from roseinfer.layers.rotary import (
     interleave_rotary_rows,
     rope_frequencies,
 )
+from roseinfer.models.fused_decode import DecodeLayerSpec, DecodeModelSpec
 from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
 
@@ -151,6 +152,42 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary on rank 0 (None on the other ranks)."""
         return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
+
+    def fused_decode_spec(self) -> DecodeModelSpec | None:
+        """This model's decode step as a fused decoder computes it (models/fused_decode.py): what
+        `forward` runs, layer by layer. None for a subclass that changes the forward, the logits
+        or a layer's class without describing itself: it must not inherit Llama's description."""
+        llama = LlamaForCausalLM
+        if type(self).forward is not llama.forward or type(self).compute_logits is not llama.compute_logits:
+            return None
+        if not all(type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
+                   and type(layer.mlp) is LlamaMLP for layer in self.model.layers):
+            return None
+        return DecodeModelSpec(
+            embedding=self.model.embed_tokens,
+            layers=tuple(
+                DecodeLayerSpec(
+                    input_norm=layer.input_layernorm.weight.detach(),
+                    qkv_proj=layer.self_attn.qkv_proj,
+                    o_proj=layer.self_attn.o_proj,
+                    mlp_norm=layer.post_attention_layernorm.weight.detach(),
+                    gate_up_proj=layer.mlp.gate_up_proj,
+                    down_proj=layer.mlp.down_proj,
+                    attention=layer.self_attn.attn.params,
+                    rotary=self.rotary,
+                    norm_eps=layer.input_layernorm.eps,
+                    intermediate_size=layer.mlp.intermediate_size,
+                    activation="silu",
+                    q_norm=layer.self_attn.q_norm.weight.detach() if layer.self_attn.qk_norm else None,
+                    k_norm=layer.self_attn.k_norm.weight.detach() if layer.self_attn.qk_norm else None,
+                )
+                for layer in self.model.layers
+            ),
+            final_norm=self.model.norm.weight.detach(),
+            norm_eps=self.model.norm.eps,
+            lm_head=self.lm_head,
+            hidden_size=self.config.hidden_size,
+        )
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], on_module_loaded: ModuleLoaded | None = None

@@ -166,6 +166,10 @@ class MoeForCausalLM(LlamaForCausalLM):
             else:
                 layer.mlp = SparseMoeBlock(config)
 
+    def fused_decode_spec(self) -> None:
+        """No fused decode step: its description has no router or experts (op by op)."""
+        return None
+
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], on_module_loaded: ModuleLoaded | None = None
     ) -> None:

@@ -121,7 +121,7 @@ class ModelRunner:
         self.attention_backend = select_attention_backend(config.attention_backend, self.device, self.block_size)
         # Decode-only steps in one C++ call, where the model describes a step it computes (fused_decode.py).
         self.fused_decoder = (
-            fused_decoder_for(model, model_config, self.dtype, self.device)
+            fused_decoder_for(model, self.dtype, self.device)
             if self.attention_backend.runs_fused_decode else None
         )
         self.long_rope_from = model_config.long_rope_from  # LongRoPE models: see prepare_inputs
