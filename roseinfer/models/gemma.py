@@ -17,6 +17,7 @@ kernel walks the block table from the window's first block; the PyTorch paths ma
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -28,7 +29,13 @@ from roseinfer.layers.attention import AttentionMetadata, PagedAttention
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 from roseinfer.models.fused_decode import DecodeLayerSpec, DecodeModelSpec
-from roseinfer.models.llama import LlamaAttention, LlamaBackbone, LlamaForCausalLM, LlamaMLP
+from roseinfer.models.llama import (
+    LLAMA_GGUF_LAYER_NAMES,
+    LlamaAttention,
+    LlamaBackbone,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
 from roseinfer.models.weights import ModuleLoaded
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -85,6 +92,16 @@ class GemmaBackbone(LlamaBackbone):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
+    hf_model_types: ClassVar[dict[str, str]] = {"gemma2": "gemma2", "gemma3_text": "gemma3"}
+    gguf_architectures: ClassVar[dict[str, str]] = {"gemma2": "gemma2", "gemma3": "gemma3"}
+    # llama.cpp's names of the four norms of a layer.
+    gguf_layer_names: ClassVar[dict[str, str]] = {
+        **LLAMA_GGUF_LAYER_NAMES,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
+
     def __init__(self, config: ModelConfig) -> None:
         nn.Module.__init__(self)
         self.config = config

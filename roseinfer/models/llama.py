@@ -9,6 +9,7 @@ layers/parallel.py) each rank builds only its heads, MLP columns and vocabulary 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -120,7 +121,40 @@ class LlamaBackbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
 
+# llama.cpp's tensor names -> Hugging Face's: per layer (blk.N.<name>) and outside the layers.
+LLAMA_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+LLAMA_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
 class LlamaForCausalLM(nn.Module):
+    # The checkpoints this class reads, for the loaders (models/registry.py gathers them): Hugging
+    # Face model_type and GGUF general.architecture -> the architecture name of the registry.
+    hf_model_types: ClassVar[dict[str, str]] = {
+        "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+    }
+    gguf_architectures: ClassVar[dict[str, str]] = {
+        "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+    }
+    gguf_layer_prefix: ClassVar[str] = "model.layers"
+    gguf_layer_names: ClassVar[dict[str, str]] = LLAMA_GGUF_LAYER_NAMES
+    gguf_global_names: ClassVar[dict[str, str]] = LLAMA_GGUF_GLOBAL_NAMES
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
