@@ -28,6 +28,9 @@ _EXPORTS = {
     "RequestOutput": "roseinfer.outputs",
     "CompletionOutput": "roseinfer.outputs",
     "TokenLogprob": "roseinfer.outputs",
+    "PoolingParams": "roseinfer.pooling_params",
+    "PoolingOutput": "roseinfer.outputs",
+    "PoolingRequestOutput": "roseinfer.outputs",
     "Request": "roseinfer.request",
     # The seed's names (roseinfer/engine/seed_api.py).
     "InferenceEngine": "roseinfer.engine.seed_api",
@@ -53,6 +56,9 @@ __all__ = [
     "OfflineScheduler",
     "OnlineScheduler",
     "OutputDelta",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "Request",
     "RequestOutput",
     "RequestOutputKind",
@@ -85,6 +91,13 @@ if TYPE_CHECKING:
     )
     from roseinfer.errors import InvalidRequestError, ModelLoadError, RoseInferError
     from roseinfer.llm import LLM
-    from roseinfer.outputs import CompletionOutput, RequestOutput, TokenLogprob
+    from roseinfer.outputs import (
+        CompletionOutput,
+        PoolingOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+        TokenLogprob,
+    )
+    from roseinfer.pooling_params import PoolingParams
     from roseinfer.request import Request
     from roseinfer.sampling_params import RequestOutputKind, SamplingParams

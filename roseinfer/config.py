@@ -13,6 +13,7 @@ import torch
 
 from roseinfer.errors import InvalidRequestError
 from roseinfer.layers.linear import QUANTIZATION_METHODS
+from roseinfer.pooling_params import POOLING_TYPES
 
 # What `--device auto` stands for when set (cpu, cuda, cuda:N): a machine's default without a flag
 # on every command. The CPU test suite sets it to cpu on GPU machines, where `auto` would pick CUDA
@@ -126,6 +127,13 @@ class ModelConfig:
         layers attend to the window's last tokens, see layer_window)."""
         return self.max_position_embeddings
 
+    @property
+    def attention_span(self) -> int | None:
+        """How many of the last positions some layer still reads when every layer has a sliding
+        window (the KV cache frees blocks before it); None when a layer reads the whole sequence."""
+        windows = [self.layer_window(layer) for layer in range(self.num_layers)]
+        return max(windows) if windows and None not in windows else None
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (keys at positions > query position - window), or
         None where it attends to the whole sequence."""
@@ -230,6 +238,11 @@ class EngineConfig:
     # A thinking model's markup (roseinfer/reasoning: qwen3, deepseek_r1): its grammar constrains
     # the answer only, a thinking budget can close it, and the API splits thinking from answer.
     reasoning_parser: str | None = None
+    # Embeddings (POST /v1/embeddings, LLM.embed): how a prompt's final-norm hidden states become
+    # one vector when the request does not say: "last" (the last token's, as Qwen3-Embedding and
+    # other decoder embedding models are trained) or "mean"; and whether it is scaled to unit length.
+    pooling: str = "last"
+    pooling_normalize: bool = True
 
     DEFAULT_KV_CACHE_GIB = 2.0
 
@@ -269,6 +282,8 @@ class EngineConfig:
             if self.reasoning_parser not in REASONING_PARSERS:
                 raise bad("reasoning_parser", f"must be one of {', '.join(sorted(REASONING_PARSERS))}, "
                                               f"got {self.reasoning_parser!r}")
+        if self.pooling not in POOLING_TYPES:
+            raise bad("pooling", f"must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         self.torch_device  # noqa: B018 - validates the device string early
         self._check_distributed()
 
@@ -340,6 +355,11 @@ class EngineConfig:
                 "max_model_len",
             )
         length = self.max_model_len or context
+        # What one sequence holds at most: all of it, or with a sliding window on every layer its
+        # span plus one step's tokens (older blocks are released, see core/kv_cache_manager).
+        held = length
+        if model_config.attention_span is not None:
+            held = min(length, model_config.attention_span + self.max_num_batched_tokens + self.block_size)
         if self.num_kv_blocks is None:
             gib = self.kv_cache_memory or self.DEFAULT_KV_CACHE_GIB
             per_block = model_config.kv_block_bytes(self.block_size, self.kv_cache_torch_dtype, self.tensor_parallel_size)
@@ -348,14 +368,14 @@ class EngineConfig:
                 raise InvalidRequestError(
                     f"kv_cache_memory {gib} GiB holds no block of {per_block} bytes", "kv_cache_memory"
                 )
-            usable = self.max_num_seqs * -(-length // self.block_size)
+            usable = self.max_num_seqs * -(-held // self.block_size)
             self.num_kv_blocks = min(budget, usable)
         capacity = self.num_kv_blocks * self.block_size
-        if capacity < length:
+        if capacity < held:
             logger.warning(
-                "the KV cache holds %d tokens, fewer than the context length %d: "
+                "the KV cache holds %d tokens, fewer than one sequence may hold (%d): "
                 "max_model_len lowered to %d (raise --kv-cache-memory for longer requests)",
-                capacity, length, capacity,
+                capacity, held, capacity,
             )
             length = capacity
         self.max_model_len = length
@@ -421,6 +441,7 @@ ENGINE_ARG_NAMES = (
     "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
     "attention_backend", "tensor_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
     "master_addr", "master_port", "cpu_threads_bind", "cpu_allreduce", "speculative_config", "reasoning_parser",
+    "pooling", "pooling_normalize",
 )
 
 
@@ -476,6 +497,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="a thinking model's <think> markup (qwen3: Qwen3, QwQ; deepseek_r1: DeepSeek-R1 "
                             "and its distills): the API returns the thinking as reasoning_content, grammars "
                             "and tool choices constrain only the answer, and thinking_token_budget works")
+    group.add_argument("--pooling", choices=POOLING_TYPES, default="last",
+                       help="embeddings (/v1/embeddings, LLM.embed): pool the final-norm hidden states of the "
+                            "last prompt token (as Qwen3-Embedding) or their mean over the prompt (default last)")
+    group.add_argument("--normalize", dest="pooling_normalize", action=argparse.BooleanOptionalAction, default=True,
+                       help="embeddings: scale each vector to unit length (L2); --no-normalize returns the raw "
+                            "pooled hidden state (default: normalize)")
 
     parallel = parser.add_argument_group("tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA)")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

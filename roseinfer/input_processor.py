@@ -7,6 +7,10 @@ model, so it needs no place in the context): `max_model_len - len(prompt) + 1` t
 Asking for more is an error where the caller is told what fits (the HTTP API, `strict_max_tokens`)
 and is capped otherwise (the offline API, as vLLM's does).
 
+A pooling request (an embedding, `PoolingParams`) has the same prompt checks and context rule (its
+prompt may use the whole context) and generates nothing; its pooling type and normalization, left
+unset, are the engine's defaults, and `dimensions` may not exceed the model's hidden size.
+
 A request with n > 1 becomes n engine-core requests ("<id>/<index>"), each with seed + index
 (wrapped to 64 bits) when a seed is given, all but the first sharing the first one's prompt blocks.
 """
@@ -23,6 +27,7 @@ from typing import Any
 from roseinfer.config import ModelConfig
 from roseinfer.core.messages import EngineCoreRequest, ReasoningSpec
 from roseinfer.errors import ContextLengthError, InvalidRequestError
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.reasoning import ReasoningParser
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.special_token_guard import RenderedChat
@@ -89,18 +94,26 @@ class ProcessedRequest:
     request_id: str
     prompt: str | None  # the text, when the caller gave text (or chat messages)
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams  # max_tokens resolved
+    sampling_params: SamplingParams | None  # max_tokens resolved; None for a pooling request
     core_requests: list[EngineCoreRequest]  # one per sequence (n)
     arrival_time: float
+    pooling_params: PoolingParams | None = None  # a pooling request's, its defaults resolved
+
+    @property
+    def params(self) -> SamplingParams | PoolingParams:
+        return self.pooling_params or self.sampling_params
 
 
 class InputProcessor:
     def __init__(
         self, tokenizer: Tokenizer, model_config: ModelConfig, max_model_len: int,
-        reasoning_parser: ReasoningParser | None = None,
+        reasoning_parser: ReasoningParser | None = None, default_pooling: PoolingParams | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
+        self.hidden_size = model_config.hidden_size
+        # What a pooling request leaves unset (the engine's --pooling, --no-normalize).
+        self.default_pooling = default_pooling or PoolingParams("last", True)
         self.max_model_len = max_model_len
         eos = set(model_config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
@@ -116,7 +129,7 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         add_special_tokens: bool = True,
         strict_max_tokens: bool = False,
@@ -128,12 +141,38 @@ class InputProcessor:
         blocks only with requests of the same salt."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
         _check_cache_salt(cache_salt)
+        if isinstance(params, PoolingParams):
+            return self._process_pooling(request_id, prompt, params, add_special_tokens, arrival, cache_salt)
         self._check_stop_limits(params)
         text, token_ids = self.prompt_token_ids(prompt, add_special_tokens)
         params = self._resolve_params(params, len(token_ids), strict_max_tokens)
         reasoning = self._reasoning_spec(text, token_ids)
         core_requests = self._fan_out(request_id, token_ids, params, arrival, cache_salt, reasoning)
         return ProcessedRequest(request_id, text, token_ids, params, core_requests, arrival)
+
+    def _process_pooling(
+        self, request_id: str, prompt: PromptType, params: PoolingParams, add_special_tokens: bool, arrival: float,
+        cache_salt: str | None,
+    ) -> ProcessedRequest:
+        text, token_ids = self.prompt_token_ids(prompt, add_special_tokens)
+        params = self.resolve_pooling(params)
+        core = EngineCoreRequest(request_id, token_ids, None, self.eos_token_ids, arrival, cache_salt=cache_salt,
+                                 pooling_params=params)
+        return ProcessedRequest(request_id, text, token_ids, None, [core], arrival, pooling_params=params)
+
+    def resolve_pooling(self, params: PoolingParams) -> PoolingParams:
+        """The request's pooling with the engine's defaults filled in, `dimensions` checked."""
+        if params.dimensions is not None and params.dimensions > self.hidden_size:
+            raise InvalidRequestError(
+                f"dimensions must be at most the model's hidden size ({self.hidden_size}), got {params.dimensions}",
+                "dimensions",
+            )
+        default = self.default_pooling
+        return dataclasses.replace(
+            params,
+            pooling_type=params.pooling_type or default.pooling_type,
+            normalize=default.normalize if params.normalize is None else params.normalize,
+        )
 
     # -- prompts --------------------------------------------------------------------------
     def render_chat(self, chat: ChatPrompt) -> str:

@@ -1,5 +1,5 @@
-"""vLLM's offline entry point: `LLM(model=None, **engine_args).generate(prompts, params)` and
-`.chat(conversations, params)`, over the synchronous `LLMEngine`."""
+"""vLLM's offline entry point: `LLM(model=None, **engine_args).generate(prompts, params)`,
+`.chat(conversations, params)` and `.embed(prompts, pooling_params)`, over the synchronous `LLMEngine`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.seed_api import InferenceEngine
 from roseinfer.errors import InvalidRequestError
 from roseinfer.input_processor import ChatPrompt
-from roseinfer.outputs import RequestOutput
+from roseinfer.outputs import PoolingRequestOutput, RequestOutput
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import RequestOutputKind, SamplingParams
 
 PromptInput = str | Sequence[int] | dict[str, Any]
@@ -42,7 +43,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order."""
-        return self._run(_normalize_prompts(prompts, prompt_token_ids), sampling_params, use_tqdm)
+        prompts_list = _normalize_prompts(prompts, prompt_token_ids)
+        return self._run(prompts_list, _per_prompt_params(sampling_params, len(prompts_list)), use_tqdm)
 
     def chat(
         self,
@@ -63,16 +65,38 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [ChatPrompt(list(c), add_generation_prompt, chat_template_kwargs, tools,
                               parse_special_tokens_in_messages) for c in conversations]
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, _per_prompt_params(sampling_params, len(prompts)), use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput] | None = None,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """One vector per prompt (`output.outputs.embedding`), in input order: the prompts run
+        through the same scheduler as generation, prefill only. Pooling type and normalization
+        not set in `pooling_params` are the engine's (`pooling`, `pooling_normalize`). A prompt
+        whose step failed has `outputs` None and its `error` (as generate's finish_reason "error")."""
+        prompts_list = _normalize_prompts(prompts, prompt_token_ids)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts_list):
+                raise InvalidRequestError(
+                    f"got {len(params_list)} pooling_params for {len(prompts_list)} prompts", "pooling_params")
+        return self._run(prompts_list, params_list, use_tqdm, desc="Embedding")
 
     def _run(
         self,
         prompts: list[str | list[int] | ChatPrompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        params_list: list[SamplingParams] | list[PoolingParams],
         use_tqdm: bool,
-    ) -> list[RequestOutput]:
+        desc: str = "Generating",
+    ) -> list[RequestOutput] | list[PoolingRequestOutput]:
+        """Queue every prompt with its params (all or none), step until all have finished."""
         engine = self.llm_engine
-        params_list = _per_prompt_params(sampling_params, len(prompts))
         ids: list[str] = []
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
@@ -83,18 +107,19 @@ class LLM:
             engine.abort_request(ids)  # leave the engine as it was
             raise
 
-        results: dict[str, RequestOutput] = {}
-        progress = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        results: dict[str, RequestOutput | PoolingRequestOutput] = {}
+        progress = tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm, dynamic_ncols=True)
         started, generated = time.perf_counter(), 0
         try:
             while len(results) < len(ids):
                 for output in engine.step():
                     if output.finished and output.request_id not in results:
                         results[output.request_id] = output
-                        generated += sum(len(c.token_ids) for c in output.outputs)
                         progress.update(1)
-                        elapsed = time.perf_counter() - started
-                        progress.set_postfix_str(f"output {generated / max(elapsed, 1e-9):.1f} tok/s")
+                        if isinstance(output, RequestOutput):
+                            generated += sum(len(c.token_ids) for c in output.outputs)
+                            elapsed = time.perf_counter() - started
+                            progress.set_postfix_str(f"output {generated / max(elapsed, 1e-9):.1f} tok/s")
         finally:
             progress.close()
             engine.abort_request([i for i in ids if i not in results])

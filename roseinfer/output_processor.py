@@ -8,6 +8,10 @@ metrics need.
 While a sequence runs, the last `len(longest stop string) - 1` characters are held back, so a stop
 string that is still being completed never reaches the client; the text before a stop string is
 all that is ever sent (unless include_stop_str_in_output).
+
+A pooling request (an embedding) has no text: its one engine-core output carries the pooled
+hidden state, which becomes a `PoolingRequestOutput` (truncated and normalized by its
+`PoolingParams`) through the same `process_outputs`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,15 @@ from dataclasses import dataclass, field
 from roseinfer.core.messages import EngineCoreOutput, EngineCoreOutputs
 from roseinfer.detokenizer import IncrementalDetokenizer
 from roseinfer.engine.stats import FinishedRequestStats, IterationStats
-from roseinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from roseinfer.outputs import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
+from roseinfer.pooling_params import PoolingParams, finish_embedding
 from roseinfer.sampling_params import RequestOutputKind, SamplingParams
 from roseinfer.tokenizer import Tokenizer
 
@@ -147,8 +159,32 @@ class ParentRequest:
 
 
 @dataclass
+class PoolingRequest:
+    """A caller's pooling request (one engine-core request of the same id)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: PoolingParams
+    arrival_time: float
+
+    def output(self, core: EngineCoreOutput | None, now: float) -> PoolingRequestOutput:
+        """Its one output: the vector, or (core None: aborted here) why there is none."""
+        metrics = RequestMetrics(self.arrival_time, finished_time=now)
+        if core is None:
+            return PoolingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids, None,
+                                        finish_reason="abort", metrics=metrics)
+        metrics.first_scheduled_time, metrics.num_cached_tokens = core.first_scheduled_time, core.num_cached_tokens
+        if core.finish_reason == "stop" and core.pooled is not None:
+            pooled = PoolingOutput(finish_embedding(core.pooled, self.params))
+            return PoolingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids, pooled, metrics=metrics)
+        return PoolingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids, None,
+                                    finish_reason=core.finish_reason, error=core.error, metrics=metrics)
+
+
+@dataclass
 class ProcessedOutputs:
-    request_outputs: list[RequestOutput] = field(default_factory=list)
+    request_outputs: list[RequestOutput | PoolingRequestOutput] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)  # ended by a stop string here
     iteration_stats: IterationStats = field(default_factory=IterationStats)
 
@@ -158,6 +194,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentRequest] = {}
         self.sequences: dict[str, tuple[ParentRequest, SequenceState]] = {}  # engine-core ids
+        self.pooling: dict[str, PoolingRequest] = {}  # pooling requests (caller's id = engine-core id)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(
@@ -165,12 +202,17 @@ class OutputProcessor:
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         sequence_ids: list[str],
         arrival_time: float,
     ) -> None:
-        if request_id in self.parents:
+        if request_id in self.parents or request_id in self.pooling:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            if sequence_ids != [request_id]:
+                raise ValueError(f"a pooling request is one engine-core request of its own id, got {sequence_ids}")
+            self.pooling[request_id] = PoolingRequest(request_id, prompt, prompt_token_ids, params, arrival_time)
+            return
         sequences = [SequenceState(seq_id, index, self.tokenizer, params) for index, seq_id in enumerate(sequence_ids)]
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params.output_kind, sequences, arrival_time)
         if params.structured_outputs is not None:
@@ -179,9 +221,12 @@ class OutputProcessor:
         for seq in sequences:
             self.sequences[seq.request_id] = (parent, seq)
 
-    def abort_request(self, request_id: str) -> tuple[list[str], RequestOutput | None]:
+    def abort_request(self, request_id: str) -> tuple[list[str], RequestOutput | PoolingRequestOutput | None]:
         """Forget a caller's request; returns the engine-core ids of its unfinished sequences and
         its last output, those sequences ended with finish_reason "abort"."""
+        pooling = self.pooling.pop(request_id, None)
+        if pooling is not None:
+            return [request_id], pooling.output(None, time.monotonic())
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return [], None
@@ -195,11 +240,11 @@ class OutputProcessor:
         return unfinished, self._request_output(parent, deltas)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.parents)
+        return bool(self.parents) or bool(self.pooling)
 
     @property
     def num_unfinished_sequences(self) -> int:
-        return len(self.sequences)
+        return len(self.sequences) + len(self.pooling)
 
     # -- one batch of engine-core outputs ---------------------------------------------------
     def process_outputs(self, core_outputs: EngineCoreOutputs, now: float | None = None) -> ProcessedOutputs:
@@ -207,6 +252,10 @@ class OutputProcessor:
         processed = ProcessedOutputs()
         touched: dict[str, tuple[ParentRequest, dict[int, str]]] = {}
         for output in core_outputs.outputs:
+            if output.request_id in self.pooling:
+                if output.finished:
+                    self._finish_pooling(self.pooling.pop(output.request_id), output, now, processed)
+                continue
             entry = self.sequences.get(output.request_id)
             if entry is None:  # aborted by the caller meanwhile
                 continue
@@ -220,6 +269,21 @@ class OutputProcessor:
             if parent.finished:
                 self._finish(parent, now, processed.iteration_stats)
         return processed
+
+    @staticmethod
+    def _finish_pooling(
+        request: PoolingRequest, output: EngineCoreOutput, now: float, processed: ProcessedOutputs
+    ) -> None:
+        processed.request_outputs.append(request.output(output, now))
+        stats = processed.iteration_stats
+        stats.num_prompt_tokens += len(request.prompt_token_ids)
+        queue_time = None
+        if output.first_scheduled_time is not None:
+            queue_time = max(output.first_scheduled_time - request.arrival_time, 0.0)
+        stats.finished_requests.append(FinishedRequestStats(
+            finish_reasons=[output.finish_reason or "abort"], e2e_latency=now - request.arrival_time,
+            queue_time=queue_time, num_prompt_tokens=len(request.prompt_token_ids), num_generation_tokens=0,
+        ))
 
     def _apply(
         self, parent: ParentRequest, seq: SequenceState, output: EngineCoreOutput, now: float,

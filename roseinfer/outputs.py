@@ -1,9 +1,12 @@
 """What callers get back, shaped like vLLM's: a `RequestOutput` per request, holding a
-`CompletionOutput` per generated sequence (whole, or only what is new, by `RequestOutputKind`)."""
+`CompletionOutput` per generated sequence (whole, or only what is new, by `RequestOutputKind`);
+for a pooling request (an embedding), one `PoolingRequestOutput` holding a `PoolingOutput`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
@@ -50,4 +53,30 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]  # DELTA: only the sequences this step changed
     finished: bool = True
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """One vector of a prompt: float32, truncated to `dimensions` and normalized as asked."""
+
+    data: np.ndarray
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's one output (vLLM's name). `outputs` is None when it did not finish
+    normally: `finish_reason` "abort" or "error" (with `error` saying why)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput | None
+    finished: bool = True
+    finish_reason: str | None = "stop"
+    error: str | None = None
     metrics: RequestMetrics | None = None

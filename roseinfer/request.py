@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from roseinfer.core.messages import EngineCoreRequest, ReasoningSpec
 from roseinfer.core.reasoning_tracker import ReasoningTracker
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,13 +38,16 @@ class Request:
     so a long prompt is prefilled in chunks); when it is caught up, the token sampled from its last
     position is appended. `num_synced_tokens` and `synced_block_ids` record what the model runner
     has been told, so each step sends it only what changed.
+
+    A pooling request (`pooling_params`, no `sampling_params`) generates nothing: it ends once its
+    whole prompt is computed, with the pooled hidden state the runner returns for it.
     """
 
     def __init__(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         max_tokens: int | None = None,
         *,
         eos_token_ids: Iterable[int] = (),
@@ -51,11 +55,18 @@ class Request:
         fork_of: str | None = None,
         cache_salt: str | None = None,
         reasoning: ReasoningSpec | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
+        if (sampling_params is None) == (pooling_params is None):
+            raise ValueError(f"request {request_id!r} needs sampling_params or pooling_params (one of them)")
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
         # The effective limit: the caller's, capped by the model's context (by the input processor).
+        # A pooling request generates nothing.
+        if pooling_params is not None:
+            max_tokens = 0
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         if self.max_tokens is None:
             raise ValueError(f"request {request_id!r} has no max_tokens")
@@ -83,7 +94,8 @@ class Request:
         self.grammar_error: str | None = None
         self.grammar_compile_time: float | None = None
         # A thinking model's request (a reasoning parser is on): where it is in its thinking.
-        self.reasoning = ReasoningTracker(reasoning, sampling_params.thinking_token_budget) if reasoning else None
+        self.reasoning = (ReasoningTracker(reasoning, sampling_params.thinking_token_budget)
+                          if reasoning and sampling_params is not None else None)
         # Speculative decoding (core/spec_decode.py): recent drafts and how many were accepted.
         self.spec_proposed = 0
         self.spec_accepted = 0
@@ -94,8 +106,12 @@ class Request:
         return cls(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time, fork_of=request.fork_of,
-            cache_salt=request.cache_salt, reasoning=request.reasoning,
+            cache_salt=request.cache_salt, reasoning=request.reasoning, pooling_params=request.pooling_params,
         )
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
 
     @property
     def num_tokens(self) -> int:

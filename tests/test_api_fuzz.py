@@ -30,6 +30,7 @@ MAX_NEW_TOKENS = 3
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           response_headers_conformance]
 # The fields that bound each route's generation (a missing or null one means long: the context).
+# Routes that generate nothing (/v1/embeddings: prefill only; /tokenize) need none.
 LENGTH_FIELDS = {"/v1/completions": ("max_tokens",), "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
                  "/generate": ("max_new_tokens",), "/v1/messages": ("max_tokens",),
                  "/v1/responses": ("max_output_tokens",)}

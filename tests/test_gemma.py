@@ -153,6 +153,23 @@ def test_logits_and_greedy_tokens_match_transformers(models, kind, source):
         assert _greedy(torch_llm, prompts) == expected, f"{kind} ({source}), PyTorch attention"
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_a_windowed_model_runs_sequences_longer_than_its_pool(models, backend):
+    """Mistral (a window on every layer): blocks that fall out of the window are released, so
+    72-token sequences (prompt 40 + 32 generated) run in a pool of 8 blocks of 4 tokens, three at a
+    time (preempted and recomputed when the pool runs out), with transformers' greedy tokens."""
+    reference = _reference(models["mistral"])
+    prompts = _prompts(reference.config.vocab_size)
+    llm = LLM(str(models["mistral"]), block_size=4, num_kv_blocks=8, max_num_batched_tokens=8, max_num_seqs=3,
+              attention_backend=backend, quantization="none")
+    engine = llm.engine
+    assert engine.kv_cache.attention_span == WINDOW
+    assert engine.config.max_model_len == 512, "the pool bounds a windowed sequence's span, not its length"
+    assert _greedy(llm, prompts) == _greedy_reference(reference, prompts)
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    engine.kv_cache.check_invariants()
+
+
 def test_gemma_config_from_both_files(models):
     from roseinfer.models.gguf_file import GGUFFile
     from roseinfer.models.gguf_loader import model_config_from_gguf

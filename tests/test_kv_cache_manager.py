@@ -28,9 +28,11 @@ SALTS = st.sampled_from([None, "a", "b"])
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
+    span: int | None = None  # every layer's sliding window (None: full attention)
+
     def __init__(self) -> None:
         super().__init__()
-        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
+        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, attention_span=self.span)
         self.pool: dict[int, list[int | None]] = {b: [None] * BLOCK_SIZE for b in range(NUM_BLOCKS)}
         self.tokens: dict[int, list[int]] = {}  # what each live request has written
         self.salts: dict[int, str | None] = {}
@@ -58,7 +60,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         free_before = self.manager.num_free_blocks
         self.tokens[request_id] = list(prompt[:num_cached])
         self.salts[request_id] = salt
-        fits = -(-len(prompt) // BLOCK_SIZE) - len(cached) <= self.manager.pool.num_free_after_taking(cached)
+        taken = cached[self._num_released(num_cached):]  # cached blocks before the window are not taken
+        fits = -(-len(prompt) // BLOCK_SIZE) - len(cached) <= self.manager.pool.num_free_after_taking(taken)
         assert self._write(request_id, prompt[num_cached:], cached) == fits
         if not fits:
             del self.tokens[request_id], self.salts[request_id]
@@ -81,9 +84,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         table_before = list(self.manager.block_table(request_id))
         free_before = self.manager.num_free_blocks
         if not self._write(request_id, new_tokens):
-            # A failed allocation changes nothing.
-            assert self.manager.block_table(request_id) == table_before
-            assert self.manager.num_free_blocks == free_before
+            # A failed allocation changes nothing but releasing the blocks before the window.
+            released = self._num_released(len(self.tokens[request_id]))
+            assert self.manager.block_table(request_id)[released:] == table_before[released:]
+            assert self.manager.num_free_blocks == free_before + self._newly_released(table_before, released)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -111,13 +115,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def bookkeeping_is_consistent(self) -> None:
         self.manager.check_invariants()
 
+    def _num_released(self, num_computed: int) -> int:
+        """Leading blocks no query at position >= num_computed reads (none without a window)."""
+        return 0 if self.span is None else max(0, (num_computed - self.span + 1) // BLOCK_SIZE)
+
+    def _newly_released(self, table: list[int], released: int) -> int:
+        """Blocks of `table[:released]` that the release returns to the free queue."""
+        counts = self.manager.pool.ref_counts
+        return sum(1 for block in set(table[:released]) if block >= 0 and counts[block] == 0)
+
     @invariant()
     def every_request_reads_back_its_tokens(self) -> None:
+        """...every token the next query can see: with a window, those of its last `span` positions."""
         for request_id, tokens in self.tokens.items():
             table = self.manager.block_table(request_id)
             assert len(table) == -(-len(tokens) // BLOCK_SIZE)
-            stored = [self.pool[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(len(tokens))]
-            assert stored == tokens
+            first = 0 if self.span is None else max(0, len(tokens) - self.span + 1)
+            stored = [self.pool[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(first, len(tokens))]
+            assert stored == tokens[first:]
 
     @invariant()
     def the_cache_finds_blocks_that_hold_the_prefix(self) -> None:
@@ -135,6 +150,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManager = BlockManagerMachine.TestCase
 TestBlockManager.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+class WindowedBlockManagerMachine(BlockManagerMachine):
+    """The same with a sliding window on every layer: blocks before it are released."""
+
+    span = 5
+
+
+TestWindowedBlockManager = WindowedBlockManagerMachine.TestCase
+TestWindowedBlockManager.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 
 
 def test_copy_on_write_gives_the_writer_a_private_block():

@@ -42,7 +42,8 @@ class EngineCore:
         started = time.perf_counter()
         self.executor = executor or executor_class(config)(config, model_config, self.timings)
         self.kv_cache = KVCacheManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.max_num_seqs
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.max_num_seqs,
+            model_config.attention_span,
         )
         self.structured_output_manager = StructuredOutputManager(config, model_config)
         self.scheduler = Scheduler(
@@ -163,5 +164,6 @@ def _merge(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
         merged.req_ids += part.req_ids
         merged.sampled_token_ids += part.sampled_token_ids
         logprobs += part.logprobs if part.logprobs is not None else [None] * len(part.req_ids)
+        merged.pooled |= part.pooled
     merged.logprobs = logprobs if any(p.logprobs is not None for p in parts) else None
     return merged

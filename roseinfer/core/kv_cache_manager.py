@@ -28,6 +28,16 @@ Lanes are reused lowest first, so memory that was never written stays untouched 
 committed lazily, see the model runner). Which uncached block is handed out never changes what
 the prefix cache keeps (see the free queue above).
 
+Sliding windows. When every layer of the model attends only to its last `attention_span`
+positions (Mistral, Qwen2 with a window on every layer), a block whose positions all fall before
+the span of the next query is never read again: `allocate_slots` drops it from the request's table
+(its place holds `RELEASED`, so a table stays indexed by position) and releases it to the pool,
+where it stays cached like a finished request's block. A request then holds about
+`(span + chunk) / block_size` blocks however long it grows. Models with any full-attention layer
+(Gemma's global layers) keep every block: one table serves all layers. The scheduler is handed the
+table with each released place filled by the request's first live block: the attention kernels
+never read a place before the window, and the PyTorch paths mask it.
+
 Invariants (checked by `check_invariants`, exercised by a property test):
   * a block's reference count equals the number of block tables that hold it;
   * a block is in the free queue exactly when its reference count is zero;
@@ -48,6 +58,7 @@ import numpy as np
 BlockKey = bytes  # the SHA-256 digest of a block's whole prefix (see Prefix caching above)
 _TOKEN_BYTES = np.dtype("<i8")  # how a block's token ids enter its hash
 _UNSALTED_ROOT = bytes(32)
+RELEASED = -1  # a block-table place whose block fell out of every layer's sliding window
 
 
 def chain_root(cache_salt: str | None, variant: str | None = None) -> BlockKey:
@@ -115,7 +126,7 @@ class BlockPool:
         return blocks
 
     def _next_block(self, after: int | None) -> int:
-        if after is not None and after + 1 < self.num_blocks and self._open[after + 1]:
+        if after is not None and 0 <= after and after + 1 < self.num_blocks and self._open[after + 1]:
             return after + 1
         lane_starts = self._open[:: self.lane_size]
         if lane_starts.any():
@@ -157,9 +168,14 @@ class BlockPool:
 class KVCacheManager:
     """Block tables for requests, backed by one `BlockPool`."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, max_num_seqs: int = 1) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, max_num_seqs: int = 1,
+        attention_span: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # The last positions any layer reads (see Sliding windows above); None: all of them.
+        self.attention_span = attention_span
         self.pool = BlockPool(num_blocks, lanes=max_num_seqs)
         self.block_tables: dict[int, list[int]] = {}
         self.prefix_stats = PrefixCacheStats()
@@ -182,7 +198,24 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     def block_table(self, request_id: int) -> list[int]:
-        return self.block_tables.get(request_id, [])
+        """The request's blocks by position; a released place (see Sliding windows) holds the
+        request's first live block instead, a valid block the attention never reads there."""
+        table = self.block_tables.get(request_id, [])
+        if not table or table[0] != RELEASED:
+            return table
+        live = next((block for block in table if block != RELEASED), RELEASED)
+        return [live if block == RELEASED else block for block in table]
+
+    def num_held_blocks(self, request_id: int) -> int:
+        """Blocks the request holds (released places not counted)."""
+        return sum(block != RELEASED for block in self.block_tables.get(request_id, []))
+
+    def _num_released(self, num_computed: int) -> int:
+        """How many leading blocks no query at position >= `num_computed` reads: those wholly
+        before its span (keys at positions > query - span)."""
+        if self.attention_span is None:
+            return 0
+        return max(0, (num_computed - self.attention_span + 1) // self.block_size)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -246,7 +279,8 @@ class KVCacheManager:
         num_full = min(num_computed // self.block_size, len(table))
         first_new = len(keys)
         for index, key in enumerate(self._chain(token_ids, keys, num_full, cache_salt, variant)[first_new:], first_new):
-            self.pool.register(table[index], key)
+            if table[index] != RELEASED:
+                self.pool.register(table[index], key)
 
     # -- allocation -----------------------------------------------------------------------
     def allocate_slots(
@@ -256,20 +290,27 @@ class KVCacheManager:
 
         `cached_blocks` (from `find_cached_prefix`, for a request that holds no blocks yet) start
         its table. Allocates the blocks the new tokens need and, if the block they start in is
-        shared with another request, replaces it by a private copy (copy-on-write). Returns False,
-        changing nothing, when too few blocks are free.
+        shared with another request, replaces it by a private copy (copy-on-write). Blocks that
+        fell out of the sliding window of every layer are released first (cached ones are not
+        taken). Returns False, changing nothing else, when too few blocks are free.
         """
         table = self.block_tables.get(request_id, [])
         if cached_blocks and table:
             raise RuntimeError(f"request {request_id} already has blocks; cached ones start a table")
+        released = self._num_released(num_computed)
+        if table:
+            self._release(table, released)
+        elif cached_blocks and released:
+            cached_blocks = [RELEASED] * min(released, len(cached_blocks)) + list(cached_blocks[released:])
         have = len(table) + len(cached_blocks)
         needed = max(self.blocks_for_tokens(num_computed + num_new) - have, 0)
         first = num_computed // self.block_size
         cow = num_new > 0 and first < len(table) and self.pool.ref_counts[table[first]] > 1
-        if needed + int(cow) > self.pool.num_free_after_taking(cached_blocks):
+        taken = [block for block in cached_blocks if block != RELEASED]
+        if needed + int(cow) > self.pool.num_free_after_taking(taken):
             return False
         if cached_blocks:
-            self.pool.incref(cached_blocks)
+            self.pool.incref(taken)
             table = list(cached_blocks)
         self.block_tables[request_id] = table
         if cow:
@@ -282,12 +323,20 @@ class KVCacheManager:
             table.extend(self.pool.allocate(needed, after=table[-1] if table else None))
         return True
 
+    def _release(self, table: list[int], count: int) -> None:
+        """Release the table's first `count` blocks (the places stay, marked RELEASED)."""
+        count = min(count, len(table))
+        blocks = [block for block in table[:count] if block != RELEASED]
+        if blocks:
+            self.pool.decref(blocks)
+            table[:count] = [RELEASED] * count
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (n > 1 sampling after one prefill)."""
         if child_id in self.block_tables:
             raise RuntimeError(f"request {child_id} already has a block table")
         parent = self.block_tables.get(parent_id, [])
-        self.pool.incref(parent)
+        self.pool.incref([block for block in parent if block != RELEASED])
         self.block_tables[child_id] = list(parent)
         if parent_id in self._keys:
             self._keys[child_id] = list(self._keys[parent_id])
@@ -306,7 +355,7 @@ class KVCacheManager:
         table = self.block_tables.pop(request_id, None)
         self._keys.pop(request_id, None)
         if table:
-            self.pool.decref(table)
+            self.pool.decref([block for block in table if block != RELEASED])
 
     def take_pending_copies(self) -> list[BlockCopy]:
         copies, self._pending_copies = self._pending_copies, []
@@ -325,7 +374,8 @@ class KVCacheManager:
         expected = [0] * pool.num_blocks
         for table in self.block_tables.values():
             for block in table:
-                expected[block] += 1
+                if block != RELEASED:
+                    expected[block] += 1
         if expected != pool.ref_counts:
             raise AssertionError("reference counts differ from the block tables")
         free = pool.free_block_ids()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from roseinfer.outputs import TokenLogprob
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 
 
@@ -31,7 +32,9 @@ class ReasoningSpec:
 
 @dataclass
 class EngineCoreRequest:
-    """A validated, tokenized request with one sequence to generate (n > 1 is fanned out before).
+    """A validated, tokenized request with one sequence to generate (n > 1 is fanned out before),
+    or, with `pooling_params` instead of `sampling_params`, a prompt to pool into one vector
+    (prefill only: it ends after its last prompt token, with no sampled token).
 
     `sampling_params.max_tokens` is the effective limit (the model's context applied already).
     `fork_of` names a sibling of the same prompt added before this one (n > 1): this request then
@@ -42,12 +45,17 @@ class EngineCoreRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     eos_token_ids: list[int]
     arrival_time: float
     fork_of: str | None = None
     cache_salt: str | None = None
     reasoning: ReasoningSpec | None = None
+    pooling_params: PoolingParams | None = None
+
+    def __post_init__(self) -> None:
+        if (self.sampling_params is None) == (self.pooling_params is None):
+            raise ValueError(f"request {self.request_id!r} needs sampling_params or pooling_params (one of them)")
 
 
 @dataclass
@@ -63,6 +71,9 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held at first scheduling
     first_scheduled_time: float | None = None  # time.monotonic() when it first ran
     grammar_compile_time: float | None = None  # structured outputs: seconds its grammar took
+    # A pooling request's last output: the pooled final-norm hidden state (float32, not yet
+    # truncated or normalized: the output processor does that, by its PoolingParams).
+    pooled: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:
@@ -99,10 +110,11 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # tokens generated before (a fork's parent has none yet)
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None for a pooling request
     eos_token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None  # a pooling request: pool its prompt, sample nothing
 
 
 @dataclass
@@ -140,8 +152,11 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled tokens of the requests that got a sample this step (caught-up ones), in order."""
+    """Sampled tokens of the requests that got a sample this step (caught-up ones), in order; and
+    the pooled hidden states (final-norm output, float32, one vector each) of the pooling requests
+    whose last prompt token ran this step."""
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[TokenLogprob]] | None = None  # per request, one per sampled token
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)

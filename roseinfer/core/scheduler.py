@@ -7,6 +7,9 @@ of the budget, so long prompts are prefilled in chunks that share steps with dec
 runner's samples: it advances the computed tokens, appends the sampled tokens, decides every stop
 the engine core can see (EOS, stop token ids, max tokens) and frees finished requests.
 
+A pooling request (an embedding) is scheduled like any prompt, chunks included, and ends with the
+step that computes its last prompt token, carrying the pooled vector the runner returned for it.
+
 It knows requests and blocks, never tensors.
 """
 
@@ -67,11 +70,11 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
-        needs_masks = request.sampling_params.structured_outputs is not None or (
-            request.reasoning is not None and request.reasoning.budget is not None)
+        constrained = not request.is_pooling and request.sampling_params.structured_outputs is not None
+        needs_masks = constrained or (request.reasoning is not None and request.reasoning.budget is not None)
         if needs_masks and self.structured_output is None:
             raise ValueError("this scheduler has no structured-output manager")
-        if request.sampling_params.structured_outputs is not None:
+        if constrained:
             self.structured_output.add_request(request)
         parent = self.requests.get(request.fork_of) if request.fork_of is not None else None
         if parent is not None and parent.status == RequestStatus.WAITING and not parent.num_computed_tokens:
@@ -141,7 +144,7 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = []
-            if speculate and num_new == 1:
+            if speculate and num_new == 1 and not request.is_pooling:
                 room = min(request.max_tokens - request.num_output_tokens - 1, budget - 1)
                 drafts = self.proposer.propose(request, room)
             if not self._allocate_or_preempt(request, num_new + len(drafts)):
@@ -167,7 +170,7 @@ class Scheduler:
                     request.request_id, [], finish_reason="error", error=request.grammar_error
                 ))
                 continue
-            cached = self.kv_cache.find_cached_prefix(request.token_ids, request.cache_salt, request.kv_variant)
+            cached = self._cached_prefix(request)
             num_cached = len(cached) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(request.request_id, num_cached, num_new, cached):
@@ -188,6 +191,13 @@ class Scheduler:
         out = self._scheduler_output(scheduled)
         out.scheduled_spec_decode_tokens = spec
         return out
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """The prefix-cache blocks a request can start from. Mean pooling needs the hidden state of
+        every prompt token, which cached blocks do not hold: it computes its whole prompt."""
+        if request.is_pooling and request.pooling_params.pooling_type == "mean":
+            return []
+        return self.kv_cache.find_cached_prefix(request.token_ids, request.cache_salt, request.kv_variant)
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
         while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
@@ -241,7 +251,7 @@ class Scheduler:
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.blocks_to_copy = [(c.src, c.dst) for c in self.kv_cache.take_pending_copies()]
         if self.structured_output is not None:
-            sampling = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]
+            sampling = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens and not r.is_pooling]
             out.grammar_bitmask, out.structured_output_request_ids = self.structured_output.bitmask(sampling)
         if scheduled:
             stats = self.stats
@@ -260,6 +270,7 @@ class Scheduler:
             eos_token_ids=sorted(request.eos_token_ids),
             block_ids=list(table),
             num_computed_tokens=request.num_computed_tokens,
+            pooling_params=request.pooling_params,
         )
 
     def replay_output(self, scheduled: SchedulerOutput, req_ids: list[str]) -> SchedulerOutput:
@@ -312,7 +323,9 @@ class Scheduler:
                 self.stats.num_draft_tokens += len(drafts)
                 self.stats.num_accepted_tokens += accepted
             output = status = None
-            if row is not None:
+            if request.is_pooling:
+                output, status = self._pooled(request, runner_output)
+            elif row is not None:
                 logprobs = runner_output.logprobs[row] if runner_output.logprobs is not None else None
                 output, status = self._append_samples(request, new_tokens, logprobs)
             computed = min(request.num_computed_tokens, request.num_tokens)  # a stop drops later drafts
@@ -364,6 +377,23 @@ class Scheduler:
         if status is not None:
             output.finish_reason, output.stop_reason, output.error = status.value, request.stop_reason, error
         return output, status
+
+    def _pooled(
+        self, request: Request, runner_output: ModelRunnerOutput
+    ) -> tuple[EngineCoreOutput | None, RequestStatus | None]:
+        """A pooling request whose whole prompt is computed ends now, with its pooled vector."""
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            return None, None  # a chunk of its prompt ran; more to come
+        output = EngineCoreOutput(
+            request.request_id, [], finish_reason=RequestStatus.FINISHED_STOPPED.value,
+            num_cached_tokens=request.num_cached_tokens, first_scheduled_time=request.first_scheduled_time,
+            pooled=runner_output.pooled.get(request.request_id),
+        )
+        if output.pooled is None:  # never expected: say so rather than hand out nothing
+            output.finish_reason = RequestStatus.FINISHED_ERROR.value
+            output.error = "the model runner returned no pooled hidden state for the request"
+            return output, RequestStatus.FINISHED_ERROR
+        return output, RequestStatus.FINISHED_STOPPED
 
     def _fork_siblings(self, parent: Request) -> None:
         """Each sibling shares the parent's blocks and recomputes only the last prompt token (for

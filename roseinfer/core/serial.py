@@ -15,6 +15,7 @@ import numpy as np
 
 from roseinfer.core import messages
 from roseinfer.outputs import TokenLogprob
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.structured_output.params import StructuredOutputsParams
 
@@ -27,7 +28,7 @@ _CLASSES: dict[str, type] = {
         messages.EngineCoreRequest, messages.EngineCoreOutput, messages.EngineCoreOutputs,
         messages.SchedulerStats, messages.SchedulerOutput, messages.NewRequestData,
         messages.CachedRequestData, messages.ModelRunnerOutput, messages.ReasoningSpec, SamplingParams,
-        TokenLogprob, StructuredOutputsParams,
+        TokenLogprob, StructuredOutputsParams, PoolingParams,
     )
 }
 _FIELDS = {name: [f.name for f in dataclasses.fields(cls) if f.init] for name, cls in _CLASSES.items()}

@@ -1,5 +1,6 @@
 """The asyncio engine under the HTTP server: `await add_request(...)` checks and queues a request
-and returns its stream of `RequestOutput`s; closing or cancelling the stream aborts the request.
+and returns its stream of `RequestOutput`s (a `PoolingRequestOutput` for an embedding request, whose
+params are `PoolingParams`); closing or cancelling the stream aborts the request.
 
 The engine core runs beside the event loop, in a background thread or in a process of its own
 (`engine_core="thread" | "process"`, see core/core_client.py). Tokenizing runs in a worker thread,
@@ -33,7 +34,8 @@ from roseinfer.errors import (
     RoseInferError,
 )
 from roseinfer.input_processor import ProcessedRequest, PromptType
-from roseinfer.outputs import RequestOutput
+from roseinfer.outputs import PoolingRequestOutput, RequestOutput
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("roseinfer")
@@ -49,10 +51,12 @@ class StatLogger(Protocol):
 class NewRequest:
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: an embedding of the prompt
     add_special_tokens: bool = True
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only within one salt
 
+
+Output = RequestOutput | PoolingRequestOutput
 
 # Outputs (one a step per request) waiting for their consumer before the request is aborted.
 MAX_PENDING_OUTPUTS = 4096
@@ -72,7 +76,7 @@ class RequestOutputStream:
         self.request_ids = request_ids
         self._engine = engine
         self._unfinished = set(request_ids)
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[Output | BaseException] = asyncio.Queue()
         self._overflowed = False
         self._timeout = timeout
         self._deadline = None if timeout is None else (time.monotonic() if arrival is None else arrival) + timeout
@@ -81,10 +85,10 @@ class RequestOutputStream:
     def finished(self) -> bool:
         return not self._unfinished
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: Output | BaseException) -> None:
         if self._overflowed:
             return  # aborted: the outputs still on their way are dropped
-        if isinstance(item, RequestOutput) and self._queue.qsize() >= MAX_PENDING_OUTPUTS:
+        if not isinstance(item, BaseException) and self._queue.qsize() >= MAX_PENDING_OUTPUTS:
             # Its consumer has stopped taking outputs (a stream whose client reads nothing, with
             # --send-timeout 0): abort rather than hold an ever-growing queue.
             self._overflowed = True
@@ -99,7 +103,7 @@ class RequestOutputStream:
     def __aiter__(self) -> RequestOutputStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> Output:
         if not self._unfinished and self._queue.empty():
             raise StopAsyncIteration
         if self._deadline is None:
@@ -200,7 +204,8 @@ class AsyncLLM(EngineFrontEnd):
 
     # -- requests -------------------------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, *, add_special_tokens: bool = True
+        self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams, *,
+        add_special_tokens: bool = True
     ) -> RequestOutputStream:
         """Check, tokenize (in a worker thread) and queue one request; raises InvalidRequestError,
         EngineOverloadedError or EngineDeadError before anything is queued."""
@@ -251,7 +256,8 @@ class AsyncLLM(EngineFrontEnd):
 
     def _process_all(self, requests: Sequence[NewRequest], arrival: float) -> list[ProcessedRequest]:
         # One grammar check per HTTP request (its prompts share one constraint), before any tokenizing.
-        for constraint in {id(c): c for r in requests if (c := r.params.structured_outputs) is not None}.values():
+        constraints = [r.params.structured_outputs for r in requests if isinstance(r.params, SamplingParams)]
+        for constraint in {id(c): c for c in constraints if c is not None}.values():
             constraint.validate()
         return [
             self.input_processor.process(

@@ -10,6 +10,7 @@ from roseinfer.core.messages import EngineCoreRequest
 from roseinfer.input_processor import InputProcessor, ProcessedRequest
 from roseinfer.models.loader import ModelSource
 from roseinfer.output_processor import OutputProcessor
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.reasoning import get_reasoning_parser
 
 logger = logging.getLogger("roseinfer")
@@ -28,7 +29,8 @@ class EngineFrontEnd:
         # responses with it (roseinfer/reasoning), the input processor marks requests with it.
         self.reasoning_parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
         self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len,
-                                              self.reasoning_parser)
+                                              self.reasoning_parser,
+                                              PoolingParams(config.pooling, config.pooling_normalize))
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def adopt_front_end(self, other: EngineFrontEnd) -> None:
@@ -41,7 +43,7 @@ class EngineFrontEnd:
     def register_request(self, processed: ProcessedRequest) -> list[EngineCoreRequest]:
         """Let the output processor expect the request's outputs; returns what the core runs."""
         self.output_processor.add_request(
-            processed.request_id, processed.prompt, processed.prompt_token_ids, processed.sampling_params,
+            processed.request_id, processed.prompt, processed.prompt_token_ids, processed.params,
             [r.request_id for r in processed.core_requests], processed.arrival_time,
         )
         return processed.core_requests

@@ -1,5 +1,6 @@
-"""The synchronous engine under `LLM.generate` / `LLM.chat`: requests in, one step at a time,
-`RequestOutput`s out; the engine core runs in the caller's thread."""
+"""The synchronous engine under `LLM.generate` / `LLM.chat` / `LLM.embed`: requests in, one step at
+a time, `RequestOutput`s (`PoolingRequestOutput`s for pooling requests) out; the engine core runs
+in the caller's thread."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from roseinfer.config import EngineConfig
 from roseinfer.core.engine_core import EngineCore
 from roseinfer.engine.front_end import EngineFrontEnd
 from roseinfer.input_processor import ProcessedRequest, PromptType
-from roseinfer.outputs import RequestOutput
+from roseinfer.outputs import PoolingRequestOutput, RequestOutput
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.step_timings import PhaseClock
 
@@ -39,7 +41,7 @@ class LLMEngine(EngineFrontEnd):
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         add_special_tokens: bool = True,
         arrival_time: float | None = None,
@@ -70,7 +72,7 @@ class LLMEngine(EngineFrontEnd):
         self.engine_core.reset_prefix_cache()
 
     # -- one step -------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one scheduled batch; returns the outputs of the requests it touched."""
         core_outputs = self.engine_core.step()
         clock = PhaseClock(self.timings)

@@ -265,10 +265,12 @@ def create_app(
     # API families of their own modules (imported here: they import this one). Anthropic's last:
     # its error shaping must wrap all the above.
     from roseinfer.server.anthropic_api import register_anthropic_api
+    from roseinfer.server.embeddings_api import register_embeddings_api
     from roseinfer.server.responses_api import register_responses
     from roseinfer.server.tokenize_api import register_tokenize_api
 
     register_responses(app, serving, response_store if response_store is not None else ResponseStore(), check_model)
     register_tokenize_api(app, serving, check_model)
+    register_embeddings_api(app, serving, check_model)
     register_anthropic_api(app, serving, check_model)
     return app

@@ -4,6 +4,8 @@ lays the step out as one flattened batch, runs the model and samples.
 The batch has no padding: decode tokens first (one per request), then prefill chunks. For every
 token: its id, its position and its slot in the KV pool; for every request: its block table.
 Logits are computed only for the last token of requests that are caught up, which get a sample.
+Pooling requests (embeddings) get no logits and no sample: their rows of the final-norm hidden
+states are pooled instead (the last prompt token's row, or the mean over every chunk's rows).
 The runner learns everything from `SchedulerOutput`s (plain data), so a runner in another process
 works from the same messages.
 """
@@ -31,6 +33,7 @@ from roseinfer.layers.attention_backends import (
 from roseinfer.models.fused_decode import fused_decoder_for
 from roseinfer.models.loader import trim_heap
 from roseinfer.outputs import TokenLogprob
+from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.step_timings import PhaseClock, StepTimings
 from roseinfer.worker.fault_injection import fault_token_from_env, raise_if_faulty
@@ -61,13 +64,19 @@ class CachedRequestState:
     """What the runner keeps of a request between steps."""
 
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling_params", "eos_token_ids", "block_ids",
-                 "num_computed_tokens", "generator", "logit_bias")
+                 "num_computed_tokens", "generator", "logit_bias", "pooling_params", "pool_sum", "pool_count",
+                 "pool_before_last")
 
     def __init__(self, new: NewRequestData) -> None:
         self.req_id = new.req_id
         self.token_ids = list(new.prompt_token_ids) + list(new.output_token_ids)
         self.num_prompt_tokens = len(new.prompt_token_ids)
-        self.sampling_params: SamplingParams = new.sampling_params
+        self.sampling_params: SamplingParams | None = new.sampling_params
+        self.pooling_params: PoolingParams | None = new.pooling_params
+        # Mean pooling over a prompt run in chunks: the sum of the rows so far and how many.
+        self.pool_sum: torch.Tensor | None = None
+        self.pool_count = 0
+        self.pool_before_last: tuple[torch.Tensor | None, int] = (None, 0)  # to run the last chunk again
         self.eos_token_ids = new.eos_token_ids
         self.block_ids = list(new.block_ids)
         self.num_computed_tokens = new.num_computed_tokens
@@ -91,6 +100,16 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states that are sampled
     sampling: list[CachedRequestState]  # the requests those rows belong to
+    pooling: list[PoolingRows]  # the pooling requests' rows of the hidden states
+
+
+@dataclass
+class PoolingRows:
+    state: CachedRequestState
+    first_row: int  # of this step's hidden states
+    num_rows: int
+    first_position: int  # of the request's prompt
+    last_chunk: bool  # the prompt's last token is among them: the vector is complete
 
 
 class ModelRunner:
@@ -143,7 +162,8 @@ class ModelRunner:
                 for req_id in scheduler_output.num_scheduled_tokens
             ])
         meta = inputs.meta
-        if self.fused_decoder is not None and not meta.prefills:
+        pooled: dict[str, np.ndarray] = {}
+        if self.fused_decoder is not None and not meta.prefills and not inputs.pooling:
             # Every request decodes one token and samples it: the rows are the batch itself.
             logits = self.fused_decoder.forward(
                 inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_block_tables,
@@ -151,14 +171,16 @@ class ModelRunner:
             )
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+            pooled = self._pool(hidden, inputs.pooling)  # before lm_head, which pooling rows skip
             if not inputs.sampling:
                 clock.lap("forward")
-                return ModelRunnerOutput()
+                return ModelRunnerOutput(pooled=pooled)
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         clock.lap("forward")
         if logits is None:  # a tensor-parallel rank other than the first: rank 0 samples
             return ModelRunnerOutput()
         output = self.sample(logits, inputs.sampling, scheduler_output)
+        output.pooled = pooled
         clock.lap("sample")
         if meta.prefills and self.device.type == "cpu":
             # A prefill chunk's activations (tens of MiB) are freed into the heap, where decode
@@ -183,7 +205,9 @@ class ModelRunner:
             state = CachedRequestState(new)
             known = self.requests.get(new.req_id)
             if known is not None:  # sent again (the engine core replays a failed step): same random stream
-                state.generator = known.generator
+                state.generator = known.generator  # and the same mean-pooling sums
+                state.pool_sum, state.pool_count, state.pool_before_last = (
+                    known.pool_sum, known.pool_count, known.pool_before_last)
             self.requests[new.req_id] = state
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -208,12 +232,14 @@ class ModelRunner:
         slots: list[np.ndarray] = []
         logits_indices: list[int] = []
         sampling: list[CachedRequestState] = []
+        pooling: list[PoolingRows] = []
         spec = scheduler_output.scheduled_spec_decode_tokens
 
         for state, num_new in decodes + prefills:
             drafts = spec.get(state.req_id, ())
             start = state.num_computed_tokens
             end = start + num_new - len(drafts)
+            first_row = len(ids)
             ids.extend(state.token_ids[start:end])
             ids.extend(drafts)
             pos = np.arange(start, start + num_new, dtype=np.int64)
@@ -222,7 +248,9 @@ class ModelRunner:
             if self.long_rope_from is not None:  # as layers/rotary.long_rope decides
                 long_rope.append(np.maximum(pos + 1, state.num_prompt_tokens) > self.long_rope_from)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
-            if end == len(state.token_ids):  # caught up: its last position gives the next token
+            if state.pooling_params is not None:  # pooled, never sampled
+                pooling.append(PoolingRows(state, first_row, num_new, start, end == len(state.token_ids)))
+            elif end == len(state.token_ids):  # caught up: its last position gives the next token
                 # (and with drafts, each draft's position too: they are verified)
                 logits_indices.extend(range(len(ids) - 1 - len(drafts), len(ids)))
                 sampling.append(state)
@@ -248,7 +276,34 @@ class ModelRunner:
             meta=meta,
             logits_indices=self._tensor(np.asarray(logits_indices, dtype=np.int64)),
             sampling=sampling,
+            pooling=pooling,
         )
+
+    @staticmethod
+    def _pool(hidden: torch.Tensor, entries: list[PoolingRows]) -> dict[str, np.ndarray]:
+        """The pooled vectors (float32) of the pooling requests whose prompt ends this step; mean
+        pooling adds up each chunk's rows as they come."""
+        pooled: dict[str, np.ndarray] = {}
+        for entry in entries:
+            state = entry.state
+            rows = hidden[entry.first_row : entry.first_row + entry.num_rows]
+            if state.pooling_params.pooling_type == "mean":
+                if entry.first_position == 0:  # (again) from the start: a preempted request is recomputed
+                    state.pool_sum, state.pool_count = None, 0
+                elif entry.first_position == state.pool_before_last[1]:  # a replayed step runs its chunk again
+                    state.pool_sum, state.pool_count = state.pool_before_last
+                if entry.first_position != state.pool_count:
+                    raise RuntimeError(f"mean pooling of request {state.req_id!r}: a chunk starts at "
+                                       f"{entry.first_position}, but {state.pool_count} rows were summed")
+                state.pool_before_last = (state.pool_sum, state.pool_count)
+                chunk = rows.float().sum(dim=0)
+                state.pool_sum = chunk if state.pool_sum is None else state.pool_sum + chunk
+                state.pool_count += entry.num_rows
+                if entry.last_chunk:
+                    pooled[state.req_id] = (state.pool_sum / state.pool_count).cpu().numpy()
+            elif entry.last_chunk:  # last
+                pooled[state.req_id] = rows[-1].float().cpu().numpy()
+        return pooled
 
     def _decode_tables(self, states: list[CachedRequestState]) -> tuple[np.ndarray, np.ndarray]:
         """The decode rows' block tables, padded to the longest, and context lengths."""
