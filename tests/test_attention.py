@@ -1,6 +1,8 @@
-"""Paged decode attention: the compiled CPU kernel against the plain PyTorch path (gathered blocks
-+ SDPA) on random pools, for several head layouts, dtypes and context lengths that end anywhere
-in a block; and a whole model run with each backend against transformers."""
+"""Paged decode attention: the compiled CPU kernel's backend against the plain PyTorch backend
+(gathered blocks + SDPA) on random pools, each over the metadata its own `build_metadata` makes,
+for several head layouts, dtypes and context lengths that end anywhere in a block; the engine's
+one backend as chosen from --attention-backend; and a whole model run with each backend against
+transformers."""
 
 import pytest
 import torch
@@ -8,7 +10,15 @@ from support import compare_logits_step_by_step, tiny_hf_model
 
 from roseinfer import InferenceEngine
 from roseinfer.errors import InvalidRequestError
-from roseinfer.layers.attention import AttentionMetadata, PagedAttention, kv_rows, kv_values
+from roseinfer.layers.attention import AttentionLayerParams, kv_rows, kv_values
+from roseinfer.layers.attention_backends import (
+    ATTENTION_BACKENDS,
+    AttentionBatch,
+    CpuKernelAttentionBackend,
+    PrefillRows,
+    TorchAttentionBackend,
+    select_attention_backend,
+)
 
 BLOCK_SIZE = 16
 Q8_BOUND = 0.1  # q8_0 keys and values: ~0.047 on the tiny Qwen3 (bfloat16 KV: ~0.013 on the tiny Llama)
@@ -17,6 +27,21 @@ Q8_BOUND = 0.1  # q8_0 keys and values: ~0.047 on the tiny Qwen3 (bfloat16 KV: ~
 @pytest.fixture(scope="module")
 def kernel(kernels):
     return kernels.paged_decode_attention
+
+
+CPU = torch.device("cpu")
+
+
+def decode_both_ways(q, kv_cache, tables, lens, layer, block_size=BLOCK_SIZE):
+    """The decode rows' attention by the C++ backend and by the PyTorch one (float), each over the
+    metadata it builds itself for the same batch."""
+    batch = AttentionBatch(slot_mapping=torch.empty(0, dtype=torch.long).numpy(),
+                           decode_block_tables=tables.numpy(), decode_context_lens=lens.numpy())
+    cpp = CpuKernelAttentionBackend.create(CPU, block_size)
+    plain = TorchAttentionBackend.create(CPU, block_size)
+    out = cpp.decode(q, kv_cache, cpp.build_metadata(batch), layer)
+    expected = plain.decode(q, kv_cache, plain.build_metadata(batch), layer)
+    return out, expected
 
 
 def random_step(heads: int, kv_heads: int, head_dim: int, lengths: list[int], dtype: torch.dtype,
@@ -44,19 +69,9 @@ def random_step(heads: int, kv_heads: int, head_dim: int, lengths: list[int], dt
 def test_kernel_matches_the_pytorch_path(kernel, heads, kv_heads, head_dim, dtype, block_size):
     lengths = [1, 15, 16, 17, 100, 33]
     q, kv_cache, tables, lens = random_step(heads, kv_heads, head_dim, lengths, dtype, block_size)
-    attention = PagedAttention(heads, kv_heads, head_dim, head_dim**-0.5)
-    positions = torch.arange(tables.shape[1] * block_size)
-    torch_meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(lengths),
-        decode_block_tables=tables, decode_context_lens=lens,
-        decode_mask=(positions[None, :] < lens[:, None])[:, None, None, :],
-    )
-    kernel_meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(lengths),
-        decode_block_tables=tables, decode_context_lens=lens, decode_kernel=kernel,
-    )
-    expected = attention._decode(q, kv_cache, torch_meta).float()
-    out = attention._decode(q, kv_cache, kernel_meta)
+    layer = AttentionLayerParams(heads, kv_heads, head_dim, head_dim**-0.5)
+    out, expected = decode_both_ways(q, kv_cache, tables, lens, layer, block_size)
+    expected = expected.float()
     assert out.dtype == dtype and out.shape == q.shape
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out.float() - expected).abs().max() < tolerance
@@ -71,23 +86,13 @@ def test_kernel_window_and_softcap_match_the_pytorch_path(kernel, window, softca
     path (the window in its mask, the soft-cap in plain math)."""
     lengths = [1, 7, 8, 15, 17, 100, 33]
     q, kv_cache, tables, lens = random_step(8, 2, 64, lengths, dtype, block_size)
-    attention = PagedAttention(8, 2, 64, 64**-0.5, sliding_window=window, softcap=softcap)
-    positions = torch.arange(tables.shape[1] * block_size)
-    torch_meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(lengths),
-        decode_block_tables=tables, decode_context_lens=lens,
-        decode_mask=(positions[None, :] < lens[:, None])[:, None, None, :],
-    )
-    kernel_meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(lengths),
-        decode_block_tables=tables, decode_context_lens=lens, decode_kernel=kernel,
-    )
-    expected = attention._decode(q, kv_cache, torch_meta).float()
-    out = attention._decode(q, kv_cache, kernel_meta)
+    layer = AttentionLayerParams(8, 2, 64, 64**-0.5, sliding_window=window, softcap=softcap)
+    out, expected = decode_both_ways(q, kv_cache, tables, lens, layer, block_size)
+    expected = expected.float()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out.float() - expected).abs().max() < tolerance
-    plain = PagedAttention(8, 2, 64, 64**-0.5)._decode(q, kv_cache, kernel_meta).float()
-    assert (plain - expected).abs().max() > 10 * tolerance  # the parameters changed the result
+    plain, _ = decode_both_ways(q, kv_cache, tables, lens, AttentionLayerParams(8, 2, 64, 64**-0.5), block_size)
+    assert (plain.float() - expected).abs().max() > 10 * tolerance  # the parameters changed the result
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -109,7 +114,7 @@ def test_each_backend_matches_transformers(backend, tmp_path, request):
         request.getfixturevalue("kernel")  # skips where the kernel cannot be built
     reference = tiny_hf_model("qwen2", tmp_path / "qwen2")
     engine = InferenceEngine(str(tmp_path / "qwen2"), num_kv_blocks=32, attention_backend=backend)
-    assert (engine.runner.decode_kernel is not None) == (backend == "cpp")
+    assert engine.runner.attention_backend.name == backend
     worst = compare_logits_step_by_step(engine, reference, [[5, 9, 30, 31, 200], [7] * 20, [3]], 20)
     assert worst < 1e-3
 
@@ -125,18 +130,13 @@ def test_queries_over_a_narrower_pool(kernel, query_dtype, cache_dtype):
     lengths = [1, 15, 17, 100]
     q, kv_cache, tables, lens = random_step(9, 3, 64, lengths, query_dtype)
     pool = kv_rows(kv_cache, cache_dtype)
-    attention = PagedAttention(9, 3, 64, 64**-0.5)
-    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(lengths),
-                             decode_block_tables=tables, decode_context_lens=lens, decode_kernel=kernel)
-    positions = torch.arange(tables.shape[1] * BLOCK_SIZE)
-    torch_meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(lengths),
-                                   decode_block_tables=tables, decode_context_lens=lens,
-                                   decode_mask=(positions[None, :] < lens[:, None])[:, None, None, :])
-    out = attention._decode(q, pool, meta)
+    layer = AttentionLayerParams(9, 3, 64, 64**-0.5)
+    out, expected = decode_both_ways(q, pool, tables, lens, layer)
     assert out.dtype == query_dtype
     tolerance = 1e-5 if query_dtype == torch.float32 else 1e-2  # a bfloat16 output's rounding
-    assert (out - attention._decode(q, pool, torch_meta)).abs().max() < tolerance
-    assert (out - attention._decode(q, kv_values(pool, 64, query_dtype), meta)).abs().max() < tolerance
+    assert (out - expected).abs().max() < tolerance
+    over_values, _ = decode_both_ways(q, kv_values(pool, 64, query_dtype), tables, lens, layer)
+    assert (out - over_values).abs().max() < tolerance
 
 
 @pytest.mark.parametrize(("kind", "kv_cache_dtype", "pool_dtype", "bound"), [
@@ -183,3 +183,70 @@ def test_kv_cache_dtype_is_checked():
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype .*'int8'"):
         EngineConfig(kv_cache_dtype="int8")
     assert EngineConfig(kv_cache_dtype="q8_0").kv_cache_torch_dtype == torch.int8
+
+
+def test_one_backend_per_engine_from_the_flag(kernel):
+    """--attention-backend names a registry entry; "auto" is the C++ kernel on a CPU where it
+    builds; a backend that cannot run on the device is refused by name, as is an unknown name."""
+    assert sorted(ATTENTION_BACKENDS) == ["cpp", "torch"]
+    from roseinfer.config import ATTENTION_BACKENDS as FLAG_CHOICES
+
+    assert set(FLAG_CHOICES) == {"auto", *ATTENTION_BACKENDS}  # the flag offers each backend
+    assert select_attention_backend("auto", CPU, 16).name == "cpp"
+    assert select_attention_backend("torch", CPU, 16).name == "torch"
+    with pytest.raises(InvalidRequestError, match="'cpp' runs on the CPU only, not meta"):
+        select_attention_backend("cpp", torch.device("meta"), 16)
+    assert select_attention_backend("auto", torch.device("meta"), 16).name == "torch"
+    with pytest.raises(InvalidRequestError, match="attention_backend must be one of auto, cpp, torch; got 'flash'"):
+        select_attention_backend("flash", CPU, 16)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_prefill_then_decode_through_each_backend_matches_plain_attention(kernel, backend):
+    """A step with a decode row and two prefill chunks (one over cached tokens), run by a
+    backend's `forward` over the metadata its `build_metadata` makes: keys and values land at
+    their slots, and every query's output is plain causal attention over its request's keys."""
+    generator = torch.Generator().manual_seed(3)
+    layer = AttentionLayerParams(4, 2, 32, 32**-0.5, sliding_window=6, softcap=4.0)
+    attention = select_attention_backend(backend, CPU, 4)
+    pool = torch.zeros(2, 16, 4, 2, 32)
+    history = {0: torch.randn(2, 9, 2, 32, generator=generator), 1: torch.randn(2, 5, 2, 32, generator=generator)}
+    tables = {0: [3, 7, 1], 1: [9, 2], 2: [5, 6]}
+    for request, kv in history.items():  # what earlier steps stored
+        for position in range(kv.shape[1]):
+            block, offset = tables[request][position // 4], position % 4
+            pool[:, block, offset] = kv[:, position]
+    # Request 0 decodes position 9; request 1 prefills positions 5..7 over its 5 cached; request 2
+    # prefills positions 0..4 from nothing.
+    new = {0: 1, 1: 3, 2: 5}
+    cached = {0: 9, 1: 5, 2: 0}
+    slots, prefills, start = [], [], 1
+    for request in (0, 1, 2):
+        for position in range(cached[request], cached[request] + new[request]):
+            slots.append(tables[request][position // 4] * 4 + position % 4)
+    for request in (1, 2):
+        prefills.append(PrefillRows(start, new[request], cached[request], torch.tensor(tables[request]).numpy()))
+        start += new[request]
+    meta = attention.build_metadata(AttentionBatch(
+        slot_mapping=torch.tensor(slots).numpy(), decode_block_tables=torch.tensor([tables[0]]).numpy(),
+        decode_context_lens=torch.tensor([10]).numpy(), prefills=prefills,
+    ))
+    assert meta.backend is attention
+    q = torch.randn(9, 4, 32, generator=generator)
+    k = torch.randn(9, 2, 32, generator=generator)
+    v = torch.randn(9, 2, 32, generator=generator)
+    out = attention.forward(q, k, v, pool, meta, layer)
+    row = 0
+    for request in (0, 1, 2):
+        keys = torch.cat([history.get(request, torch.zeros(2, 0, 2, 32))[0], k[row : row + new[request]]])
+        values = torch.cat([history.get(request, torch.zeros(2, 0, 2, 32))[1], v[row : row + new[request]]])
+        for i in range(new[request]):
+            position = cached[request] + i
+            seen = range(max(0, position - 5), position + 1)  # the window of 6, its own included
+            scores = torch.einsum("hd,thd->ht", q[row + i], keys[list(seen)].repeat_interleave(2, 1)) * 32**-0.5
+            scores = torch.tanh(scores / 4.0) * 4.0
+            expected = torch.einsum("ht,thd->hd", scores.softmax(-1), values[list(seen)].repeat_interleave(2, 1))
+            assert (out[row + i] - expected).abs().max() < 1e-5, (backend, request, i)
+        row += new[request]
+    stored = pool.view(2, -1, 2, 32)[:, torch.tensor(slots)]
+    assert torch.equal(stored[0], k) and torch.equal(stored[1], v)

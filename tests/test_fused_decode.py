@@ -12,6 +12,8 @@ from support import tiny_hf_model
 from roseinfer import LLM, InferenceEngine, SamplingParams
 from roseinfer.core.messages import ModelRunnerOutput
 from roseinfer.layers.cpu_kernels import cpu_kernels
+from roseinfer.models.fused_decode import fused_decoder_for, unsupported
+from roseinfer.models.llama import LlamaForCausalLM
 
 
 def decode_logits_both_ways(engine: InferenceEngine, prompts: list[list[int]], steps: int) -> tuple[float, float]:
@@ -125,6 +127,74 @@ def test_no_fused_decoder_where_it_does_not_apply(tmp_path):
     tiny_hf_model("gpt2", tmp_path / "gpt2")
     engine = InferenceEngine(str(tmp_path / "gpt2"), num_kv_blocks=16)
     assert engine.runner.fused_decoder is None  # GPT-2: the op-by-op path
+    assert not hasattr(engine.runner.model, "fused_decode_spec")  # it describes no fused step
+
+
+def test_the_fused_step_is_built_from_the_models_description(tmp_path):
+    """The description holds the model's own modules and tensors (no copies, nothing read from
+    elsewhere), one entry per layer with the layer's attention parameters."""
+    tiny_hf_model("qwen3", tmp_path / "qwen3")
+    engine = InferenceEngine(str(tmp_path / "qwen3"), num_kv_blocks=16, quantization="int8")
+    model = engine.runner.model
+    spec = model.fused_decode_spec()
+    assert len(spec.layers) == len(model.model.layers)
+    for described, layer in zip(spec.layers, model.model.layers, strict=True):
+        assert described.qkv_proj is layer.self_attn.qkv_proj and described.down_proj is layer.mlp.down_proj
+        assert described.input_norm.data_ptr() == layer.input_layernorm.weight.data_ptr()
+        assert described.q_norm.data_ptr() == layer.self_attn.q_norm.weight.data_ptr()
+        assert described.attention is layer.self_attn.attn.params
+        assert described.activation == "silu" and described.rotary is model.rotary
+    assert spec.lm_head is model.lm_head and spec.embedding is model.model.embed_tokens
+    assert unsupported(spec, torch.float32) is None and engine.runner.fused_decoder is not None
+
+
+def test_what_the_description_says_and_the_step_cannot_compute_is_refused_by_name(tmp_path, caplog):
+    """Each feature of a description that the C++ step does not compute (a GeGLU, a soft-cap, norms
+    of a sub-layer's output, another scale, a window per layer, scaled embeddings, capped logits)
+    is refused with a reason naming it, logged once; and a subclass that changes the forward
+    without describing itself does not inherit Llama's description."""
+    import dataclasses
+    import logging
+
+    tiny_hf_model("llama", tmp_path / "llama")
+    engine = InferenceEngine(str(tmp_path / "llama"), num_kv_blocks=16, quantization="int8")
+    model = engine.runner.model
+    spec = model.fused_decode_spec()
+    first = spec.layers[0]
+
+    def with_layer(**changes):
+        return dataclasses.replace(spec, layers=(dataclasses.replace(first, **changes), *spec.layers[1:]))
+
+    def with_attention(**changes):
+        return with_layer(attention=dataclasses.replace(first.attention, **changes))
+
+    refusals = {
+        "activation 'gelu_tanh'": with_layer(activation="gelu_tanh"),
+        "norms of the attention's or the MLP's output": with_layer(mlp_out_norm=first.mlp_norm),
+        "a soft-cap of the attention scores": with_attention(softcap=50.0),
+        "attention scale 0.1": with_attention(scale=0.1),
+        "layer 1: its sliding window differs from layer 0's": with_attention(sliding_window=8),
+        "scaled token embeddings": dataclasses.replace(spec, embedding_scale=8.0),
+        "a soft-cap of the final logits": dataclasses.replace(spec, final_logit_softcap=30.0),
+    }
+    for reason, described in refusals.items():
+        assert reason in unsupported(described, torch.float32), reason
+
+    class Scaled(LlamaForCausalLM):  # a forward of its own, no description of it
+        def forward(self, *args):
+            return super().forward(*args) * 2
+
+    model.__class__ = Scaled
+    try:
+        assert model.fused_decode_spec() is None
+        with caplog.at_level(logging.INFO, logger="roseinfer.models.fused_decode"):
+            for _ in range(2):
+                assert fused_decoder_for(model, engine.runner.dtype, engine.runner.device) is None
+        logged = [r.getMessage() for r in caplog.records if "no fused C++ decode step for Scaled" in r.getMessage()]
+        assert logged == ["no fused C++ decode step for Scaled: the model describes no fused decode step; "
+                          "decoding op by op"]
+    finally:
+        model.__class__ = LlamaForCausalLM
 
 
 @pytest.mark.parametrize(("kind", "kv_cache_dtype", "pool_dtype"), [

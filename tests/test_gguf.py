@@ -87,6 +87,24 @@ def test_unsupported_architecture_is_named(tmp_path):
         InferenceEngine(str(path))
 
 
+def test_the_loaders_read_what_the_registered_classes_declare(tmp_path):
+    """The Hugging Face model_types and GGUF architectures the loaders accept, and the architecture
+    each maps to, are the registered model classes' own declarations; an unknown model_type is
+    refused with that list."""
+    import json
+
+    from roseinfer.models.hf_config import model_config_from_hf
+    from roseinfer.models.registry import GGUF_ARCHITECTURES, HF_MODEL_TYPES, MODEL_CLASSES
+
+    assert {"llama", "qwen3", "gemma3", "phi3", "qwen2moe", "gpt2"} <= set(GGUF_ARCHITECTURES)
+    for names, attribute in ((HF_MODEL_TYPES, "hf_model_types"), (GGUF_ARCHITECTURES, "gguf_architectures")):
+        for name, architecture in names.items():
+            assert getattr(MODEL_CLASSES[architecture], attribute)[name] == architecture
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    with pytest.raises(ModelLoadError, match=r"model_type 'mamba' is not supported; supported: \[.*'gemma3_text'.*'qwen3_moe'"):
+        model_config_from_hf(tmp_path)
+
+
 def test_unsupported_tensor_type_is_named(tmp_path):
     path = tmp_path / "ternary.gguf"
     weights = np.random.default_rng(0).standard_normal((2, 256), dtype=np.float32)

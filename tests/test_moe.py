@@ -104,7 +104,8 @@ def test_greedy_tokens_and_logits_match_transformers(tiny_moe, source):
     assert worst < TOLERANCE, f"max |logit difference| {worst}"
     # The C++ Llama decode step has no router: it must not take these models over.
     runner = llm.engine.runner
-    assert fused_decoder_for(model, runner.model_config, runner.dtype, runner.device) is None
+    assert model.fused_decode_spec() is None
+    assert fused_decoder_for(model, runner.dtype, runner.device) is None
 
 
 def test_shared_expert_from_hf_and_from_q8_0_blocks(tmp_path_factory):

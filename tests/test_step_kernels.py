@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from roseinfer.layers import cpu_kernels as cpu_kernels_module
 from roseinfer.layers.activation import silu_and_mul
-from roseinfer.layers.attention import kv_rows, kv_values, write_kv
+from roseinfer.layers.attention import kv_rows, kv_values
+from roseinfer.layers.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
 from roseinfer.worker.sampler import greedy_tokens
 
 
@@ -40,7 +41,7 @@ def test_write_kv_matches_index_copy(kernels, model_dtype, pool_dtype, tokens):
     flat = expected.view(2, -1, kv_heads, head_dim)
     flat[0].index_copy_(0, slots, k.to(pool_dtype))
     flat[1].index_copy_(0, slots, v.to(pool_dtype))
-    write_kv(pool, slots, k, v)
+    CpuKernelAttentionBackend.create(torch.device("cpu"), block_size).write_kv(pool, slots, k, v)
     assert torch.equal(pool, expected)
 
 
@@ -65,8 +66,11 @@ def test_write_kv_quantizes_q8_0_rows_as_llama_cpp(kernels, model_dtype):
     fallback = torch.zeros_like(pool)  # heads not contiguous: the PyTorch path
     spread = torch.zeros(50, 3, 64, 2, dtype=model_dtype)
     spread[..., 0] = x
-    write_kv(fallback, slots, spread[..., 0], -spread[..., 0])
+    CpuKernelAttentionBackend.create(torch.device("cpu"), 16).write_kv(fallback, slots, spread[..., 0], -spread[..., 0])
     assert torch.equal(fallback, pool)
+    plain = torch.zeros_like(pool)  # the PyTorch backend stores the same bytes
+    TorchAttentionBackend.create(torch.device("cpu"), 16).write_kv(plain, slots, x, -x)
+    assert torch.equal(plain, pool)
 
 
 def test_write_kv_rejects_a_slot_outside_the_pool(kernels):

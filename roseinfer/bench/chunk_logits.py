@@ -11,11 +11,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from roseinfer.config import EngineConfig, ModelConfig
-from roseinfer.layers.attention import AttentionMetadata, PrefillChunk, causal_mask_with_prefix
+from roseinfer.layers.attention_backends import (
+    AttentionBatch,
+    PrefillRows,
+    select_attention_backend,
+)
 from roseinfer.models.loader import load_model
 from roseinfer.tokenizer import Tokenizer
 
@@ -59,6 +64,7 @@ class ChunkLogits:
         self.kv_caches = [
             torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(config.num_layers)
         ]
+        self.attention = select_attention_backend("auto", device, _BLOCK_SIZE)  # as the engine's default
 
     @classmethod
     def load(
@@ -97,9 +103,9 @@ class ChunkLogits:
         """Hidden states of `token_ids` at positions num_cached.., after the cache's first num_cached."""
         input_ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         positions = torch.arange(num_cached, num_cached + len(token_ids), device=self.device)
-        block_ids = torch.arange(-(-(num_cached + len(token_ids)) // _BLOCK_SIZE), device=self.device)
-        meta = AttentionMetadata(slot_mapping=positions)
-        mask = causal_mask_with_prefix(num_cached, len(token_ids), self.device) if num_cached else None
-        meta.prefills.append(PrefillChunk(query_start=0, query_len=len(token_ids), num_cached=num_cached,
-                                          block_ids=block_ids, mask=mask))
+        block_ids = np.arange(-(-(num_cached + len(token_ids)) // _BLOCK_SIZE))
+        meta = self.attention.build_metadata(AttentionBatch(
+            slot_mapping=np.arange(num_cached, num_cached + len(token_ids)),
+            prefills=[PrefillRows(query_start=0, query_len=len(token_ids), num_cached=num_cached, block_ids=block_ids)],
+        ))
         return self.model(input_ids, positions, self.kv_caches, meta)

@@ -1,31 +1,87 @@
-"""Decode steps of a Llama-family model in one C++ call (layers/csrc/llama_decode_cpu.cpp).
+"""Decode steps of a pre-norm decoder in one C++ call (layers/csrc/llama_decode_cpu.cpp), built
+from the model's own description of itself.
 
 Run op by op, a decode step is ~400 PyTorch operations, and at small batches their dispatch costs
-as much as their arithmetic (a 30-layer model: ~5 ms a token). The C++ step applies to CPU models
-whose linear layers it can call directly: float32 or bfloat16 weights on the panel kernel (CPUs
-with AVX-512 and no AMX), and GGUF blocks of any type (`BlockLinear`). It holds references to the
-model's own tensors (no copies) and computes what the model computes, with the same row functions
-and linear kernels, up to summation order; the model runner uses it for steps that are all decodes.
+as much as their arithmetic (a 30-layer model: ~5 ms a token). A model class that can be run this
+way says so with `fused_decode_spec()`, returning a `DecodeModelSpec`: its layers, one
+`DecodeLayerSpec` each (weights, norms, attention parameters, rotary table, activation), built
+from the same modules its forward runs, so the two cannot drift. This module builds the C++ step
+from that description only (never from the attributes of an arbitrary class) and refuses, by
+name and logged once, what the C++ step does not compute (a GeGLU, a soft-cap, extra norms, a
+window per layer, ...) or cannot call (linear layers other than float panels or GGUF blocks,
+tensor-parallel shards, another device). A model without the method, or returning None, keeps
+its op-by-op forward.
+
+The C++ step applies to CPU models whose linear layers it can call directly: float32 or bfloat16
+weights on the panel kernel (CPUs with AVX-512 and no AMX), and GGUF blocks of any type
+(`BlockLinear`). It holds references to the model's own tensors (no copies) and computes what the
+model computes, with the same row functions and linear kernels, up to summation order; the model
+runner uses it for steps that are all decodes.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from roseinfer.config import ModelConfig
 from roseinfer.distributed.parallel_state import get_tp_group
+from roseinfer.layers.attention import AttentionLayerParams
 from roseinfer.layers.cpu_kernels import cpu_kernels
-from roseinfer.layers.linear import BlockLinear, PanelLinear, PrepackedLinear
+from roseinfer.layers.linear import BlockLinear, PanelLinear
 from roseinfer.layers.rotary import RotaryEmbedding
-from roseinfer.models.llama import LlamaForCausalLM
-from roseinfer.models.phi3 import Phi3ForCausalLM
+
+logger = logging.getLogger(__name__)
 
 # A linear layer as the C++ step takes it: (tensors, GGML types, bias, exact); see DecodeLinear in
 # layers/csrc/llama_decode_cpu.cpp.
 LinearSpec = tuple[list[torch.Tensor], list[int], torch.Tensor | None, bool]
+
+
+@dataclass(frozen=True)
+class DecodeLayerSpec:
+    """One pre-norm decoder layer, as its model computes it (RMSNorms throughout):
+
+        a = o_proj(attention(rope(q_norm/k_norm(qkv_proj(input_norm(x))))))
+        h = x + attention_out_norm(a)                   (no out norm: x + a)
+        g, u = gate_up_proj(mlp_norm(h))
+        y = h + mlp_out_norm(down_proj(activation(g) * u))
+    """
+
+    input_norm: torch.Tensor  # RMSNorm weights, as the model applies them
+    qkv_proj: nn.Module  # q, k and v rows in one matrix (q/k rows in the rotary layout)
+    o_proj: nn.Module
+    mlp_norm: torch.Tensor
+    gate_up_proj: nn.Module  # gate rows, then up rows
+    down_proj: nn.Module
+    attention: AttentionLayerParams  # heads, scale, sliding window, soft-cap
+    rotary: RotaryEmbedding  # the table this layer's q and k rotate with
+    norm_eps: float  # of every RMSNorm of the layer
+    intermediate_size: int
+    activation: str = "silu"  # of the gate: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+    q_norm: torch.Tensor | None = None  # per-head RMSNorm of q and k (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    attention_out_norm: torch.Tensor | None = None  # a norm of the attention's output (Gemma)
+    mlp_out_norm: torch.Tensor | None = None  # a norm of the MLP's output (Gemma)
+
+
+@dataclass(frozen=True)
+class DecodeModelSpec:
+    """A whole decoder: token embeddings (times `embedding_scale`), the layers, the final RMSNorm
+    and the LM head (its logits soft-capped by `final_logit_softcap`)."""
+
+    embedding: nn.Module  # token ids -> hidden rows (the model's own table module)
+    layers: tuple[DecodeLayerSpec, ...]
+    final_norm: torch.Tensor
+    norm_eps: float
+    lm_head: nn.Module
+    hidden_size: int
+    embedding_scale: float | None = None  # Gemma: sqrt(hidden_size)
+    final_logit_softcap: float | None = None  # Gemma 2
 
 
 def _linear(layer: nn.Module) -> LinearSpec:
@@ -42,46 +98,89 @@ def _callable(layer: nn.Module, dtype: torch.dtype) -> bool:
     return isinstance(layer, BlockLinear)
 
 
-def fused_decoder_for(
-    model: nn.Module, config: ModelConfig, dtype: torch.dtype, device: torch.device
-) -> FusedDecoder | None:
-    """The C++ decoder of `model`, or None where it does not apply (another architecture,
-    activation, dtype or device, linear layers it cannot call, tensor-parallel shards, no C++
-    kernels)."""
+def unsupported(spec: DecodeModelSpec, dtype: torch.dtype) -> str | None:
+    """What in `spec` the C++ step does not compute or cannot call, or None where it runs all of it."""
+    if spec.embedding_scale is not None:
+        return "scaled token embeddings"
+    if spec.final_logit_softcap:
+        return "a soft-cap of the final logits"
+    first = spec.layers[0]
+    for index, layer in enumerate(spec.layers):
+        where = f"layer {index}: "
+        attention = layer.attention
+        if layer.activation != "silu":
+            return where + f"activation {layer.activation!r} (the C++ step has SiLU only)"
+        if layer.attention_out_norm is not None or layer.mlp_out_norm is not None:
+            return where + "norms of the attention's or the MLP's output"
+        if attention.softcap:
+            return where + "a soft-cap of the attention scores"
+        if not math.isclose(attention.scale, attention.head_dim**-0.5, rel_tol=1e-9):
+            return where + f"attention scale {attention.scale} (the C++ step uses head_dim ** -0.5)"
+        if (layer.q_norm is None) != (layer.k_norm is None):
+            return where + "a norm of q without one of k, or of k without q"
+        # The C++ step takes one of each of these for the whole model.
+        if layer.rotary is not first.rotary:
+            return where + "its rotary table differs from layer 0's"
+        if attention.sliding_window != first.attention.sliding_window:
+            return where + "its sliding window differs from layer 0's"
+        if (attention.num_heads, attention.num_kv_heads, attention.head_dim, layer.intermediate_size) != (
+            first.attention.num_heads, first.attention.num_kv_heads, first.attention.head_dim,
+            first.intermediate_size,
+        ):
+            return where + "its shapes differ from layer 0's"
+        if layer.norm_eps != spec.norm_eps:
+            return where + "its norms' eps differs from the final norm's"
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            if not _callable(getattr(layer, name), dtype):
+                return where + f"{name} is a {type(getattr(layer, name)).__name__} the C++ step cannot call for {dtype}"
+    if not _callable(spec.lm_head, dtype):
+        return f"the LM head is a {type(spec.lm_head).__name__} the C++ step cannot call for {dtype}"
+    return None
+
+
+_logged: set[str] = set()
+
+
+def _refuse(model: nn.Module, reason: str) -> None:
+    message = f"no fused C++ decode step for {type(model).__name__}: {reason}; decoding op by op"
+    if message not in _logged:
+        _logged.add(message)
+        logger.info(message)
+
+
+def fused_decoder_for(model: nn.Module, dtype: torch.dtype, device: torch.device) -> FusedDecoder | None:
+    """The C++ decoder of `model` from its `fused_decode_spec()`, or None (logged once, with the
+    reason) where the model describes none or the C++ step cannot run what it describes."""
+    describe = getattr(model, "fused_decode_spec", None)
+    spec: DecodeModelSpec | None = describe() if describe is not None else None
     kernels = cpu_kernels()
-    windows = {config.layer_window(i) for i in range(config.num_layers)}
-    if (
-        # Only the Llama family itself and Phi-3 (the Llama decoder once loaded, models/phi3.py: its
-        # partial and LongRoPE rotary are in the rotations computed here, which the C++ step
-        # applies). Gemma (extra norms, GeGLU, soft-caps, two rotary bases) subclasses Llama too,
-        # but the C++ step does not compute it: refused by type as well.
-        config.architecture not in ("llama", "phi3")
-        or type(model) not in (LlamaForCausalLM, Phi3ForCausalLM)
-        or len(windows) > 1  # the C++ step takes one sliding window for every layer
-        or kernels is None
-        or get_tp_group().size > 1  # the C++ step has no all-reduce between its layers
-        or device.type != "cpu"
-        or dtype not in (torch.float32, torch.bfloat16)
-        or config.moe is not None  # the C++ step has no router or experts
-        or config.hidden_act != "silu"
-        or not all(_callable(m, dtype) for m in model.modules() if _is_projection(m))
-    ):
+    if spec is None:
+        reason = "the model describes no fused decode step"
+    elif kernels is None:
+        reason = "the C++ kernels could not be built"
+    elif get_tp_group().size > 1:
+        reason = "tensor parallelism (the C++ step has no all-reduce between its layers)"
+    elif device.type != "cpu":
+        reason = f"device {device} (the C++ step runs on the CPU)"
+    elif dtype not in (torch.float32, torch.bfloat16):
+        reason = f"dtype {dtype} (the C++ step takes float32 or bfloat16)"
+    else:
+        reason = unsupported(spec, dtype)
+    if reason is not None:
+        _refuse(model, reason)
         return None
-    layers = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        layers.append((
-            layer.input_layernorm.weight.detach(),
-            attn.q_norm.weight.detach() if attn.qk_norm else None,
-            attn.k_norm.weight.detach() if attn.qk_norm else None,
-            layer.post_attention_layernorm.weight.detach(),
-            _linear(attn.qkv_proj), _linear(attn.o_proj), _linear(mlp.gate_up_proj), _linear(mlp.down_proj),
-        ))
+    first = spec.layers[0]
+    layers = [
+        (layer.input_norm, layer.q_norm, layer.k_norm, layer.mlp_norm, _linear(layer.qkv_proj),
+         _linear(layer.o_proj), _linear(layer.gate_up_proj), _linear(layer.down_proj))
+        for layer in spec.layers
+    ]
+    attention = first.attention
     return FusedDecoder(kernels.LlamaDecoder(
-        config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
-        model.lm_head.out_features, config.norm_eps, model.model.norm.weight.detach(), _linear(model.lm_head), layers,
-        windows.pop() or 0,
-    ), model.model.embed_tokens, model.rotary)
+        spec.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim, first.intermediate_size,
+        spec.lm_head.out_features, spec.norm_eps, spec.final_norm, _linear(spec.lm_head), layers,
+        attention.sliding_window or 0,
+    ), spec.embedding, first.rotary)
 
 
 class FusedDecoder:
@@ -101,7 +200,3 @@ class FusedDecoder:
         rotations = torch.view_as_real(self.rotary.rotations(positions, long_rope))
         embedded = self.embedding(token_ids)
         return self.decoder.forward(embedded, rotations, slot_mapping, block_tables, context_lens, kv_caches)
-
-
-def _is_projection(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear | BlockLinear | PrepackedLinear | PanelLinear)

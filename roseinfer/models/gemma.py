@@ -17,6 +17,7 @@ kernel walks the block table from the window's first block; the PyTorch paths ma
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -27,7 +28,14 @@ from roseinfer.layers.activation import gelu_tanh_and_mul
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
-from roseinfer.models.llama import LlamaAttention, LlamaBackbone, LlamaForCausalLM, LlamaMLP
+from roseinfer.models.fused_decode import DecodeLayerSpec, DecodeModelSpec
+from roseinfer.models.llama import (
+    LLAMA_GGUF_LAYER_NAMES,
+    LlamaAttention,
+    LlamaBackbone,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
 from roseinfer.models.weights import ModuleLoaded
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -84,6 +92,16 @@ class GemmaBackbone(LlamaBackbone):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
+    hf_model_types: ClassVar[dict[str, str]] = {"gemma2": "gemma2", "gemma3_text": "gemma3"}
+    gguf_architectures: ClassVar[dict[str, str]] = {"gemma2": "gemma2", "gemma3": "gemma3"}
+    # llama.cpp's names of the four norms of a layer.
+    gguf_layer_names: ClassVar[dict[str, str]] = {
+        **LLAMA_GGUF_LAYER_NAMES,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
+
     def __init__(self, config: ModelConfig) -> None:
         nn.Module.__init__(self)
         self.config = config
@@ -122,6 +140,41 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if logits is not None and cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def fused_decode_spec(self) -> DecodeModelSpec | None:
+        """Gemma's decode step, described whole (GeGLU, four norms a layer, scaled embeddings,
+        soft-caps, a window and a rotary table per kind of layer): the fused C++ step, which
+        computes none of these, refuses it by name (models/fused_decode.py)."""
+        config = self.config
+        return DecodeModelSpec(
+            embedding=self.model.embed_tokens,
+            layers=tuple(
+                DecodeLayerSpec(
+                    input_norm=layer.input_layernorm.weight.detach(),
+                    qkv_proj=layer.self_attn.qkv_proj,
+                    o_proj=layer.self_attn.o_proj,
+                    mlp_norm=layer.pre_feedforward_layernorm.weight.detach(),
+                    gate_up_proj=layer.mlp.gate_up_proj,
+                    down_proj=layer.mlp.down_proj,
+                    attention=layer.self_attn.attn.params,
+                    rotary=self.rotary_local if layer.is_local and not self.same_rotary else self.rotary,
+                    norm_eps=layer.input_layernorm.eps,
+                    intermediate_size=layer.mlp.intermediate_size,
+                    activation="gelu_tanh",
+                    q_norm=layer.self_attn.q_norm.weight.detach() if layer.self_attn.qk_norm else None,
+                    k_norm=layer.self_attn.k_norm.weight.detach() if layer.self_attn.qk_norm else None,
+                    attention_out_norm=layer.post_attention_layernorm.weight.detach(),
+                    mlp_out_norm=layer.post_feedforward_layernorm.weight.detach(),
+                )
+                for layer in self.model.layers
+            ),
+            final_norm=self.model.norm.weight.detach(),
+            norm_eps=self.model.norm.eps,
+            lm_head=self.lm_head,
+            hidden_size=config.hidden_size,
+            embedding_scale=config.hidden_size**0.5,
+            final_logit_softcap=config.final_logit_softcapping or None,
+        )
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], on_module_loaded: ModuleLoaded | None = None

@@ -20,72 +20,16 @@ from roseinfer.layers.quantization import permute_rows
 from roseinfer.layers.quantization.gguf import BlockTensor
 from roseinfer.layers.rotary import unsupported_rope_scaling
 from roseinfer.models.gguf_file import GGUFFile
-from roseinfer.models.phi3 import PHI3_GGUF_NAMES
+from roseinfer.models.registry import GGUF_ARCHITECTURES, model_class_for
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # Gemma: arch -> the period of llama.cpp's layer pattern (every n-th layer global), which the
 # converter does not write (llama.cpp hard-codes it), and the layer count of the 27B model, whose
 # queries llama.cpp scales by (hidden / heads) ** -0.5 (its query_pre_attn_scalar) instead of
 # head_dim ** -0.5.
 GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
-MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "olmoe")  # and "llama" with experts: Mixtral
-SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, *GEMMA, *MOE_ARCHITECTURES, "gpt2", "phi3")
 _ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-_PERMUTED_QK = ("llama", "mistral")
-
-_LLAMA_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GEMMA_NAMES = {
-    **_LLAMA_NAMES,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-# Mixture-of-experts layers (models/moe.py): the router, Qwen2-MoE's shared expert and its gate.
-_MOE_NAMES = {
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
-}
-# The experts' 3-D [experts, rows, columns] tensors -> the per-expert projections they hold.
-_EXPERT_TENSORS = {
-    "ffn_gate_exps": ("gate_proj",),
-    "ffn_up_exps": ("up_proj",),
-    "ffn_down_exps": ("down_proj",),
-    "ffn_gate_up_exps": ("gate_proj", "up_proj"),
-}
-_LLAMA_GLOBAL = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_GPT2_NAMES = {
-    "attn_norm": "ln_1",
-    "attn_qkv": "attn.c_attn",
-    "attn_output": "attn.c_proj",
-    "ffn_norm": "ln_2",
-    "ffn_up": "mlp.c_fc",
-    "ffn_down": "mlp.c_proj",
-}
-_GPT2_GLOBAL = {
-    "token_embd": "transformer.wte",
-    "position_embd": "transformer.wpe",
-    "output_norm": "transformer.ln_f",
-    "output": "lm_head",
-}
+_PERMUTED_QK = ("llama", "mistral")  # the converter's convention for these files' q/k rows
+# Tensor names: each model class's gguf_layer_names / gguf_global_names (models/llama.py, ...).
 
 
 def unpermute_qk(weight: torch.Tensor | BlockTensor, num_heads: int) -> torch.Tensor | BlockTensor:
@@ -101,10 +45,10 @@ def unpermute_qk(weight: torch.Tensor | BlockTensor, num_heads: int) -> torch.Te
 def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     meta = gguf.metadata
     arch = gguf.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
 
     def key(name: str, default=None):
@@ -133,7 +77,8 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         eos_token_ids=list(dict.fromkeys(eos)),
         name=str(meta.get("general.name") or gguf.path.stem),
     )
-    if arch == "gpt2":
+    architecture = GGUF_ARCHITECTURES[arch]
+    if architecture == "gpt2":
         return ModelConfig(
             architecture="gpt2",
             num_kv_heads=heads,
@@ -147,7 +92,7 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
     rotary_dim = meta.get(f"{arch}.rope.dimension_count")
     return _with_experts(gguf, ModelConfig(
-        architecture="phi3" if arch == "phi3" else "llama",
+        architecture=architecture,
         num_kv_heads=int(key("attention.head_count_kv", heads)),
         head_dim=head_dim,
         norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -167,7 +112,7 @@ def _with_experts(gguf: GGUFFile, config: ModelConfig) -> ModelConfig:
     arch, meta = gguf.architecture, gguf.metadata
     num_experts = int(meta.get(f"{arch}.expert_count") or 0)
     if not num_experts:
-        if arch in MOE_ARCHITECTURES:
+        if config.architecture == "moe":
             raise ModelLoadError(f"{gguf.path}: metadata key {arch}.expert_count is missing")
         return config
     if f"{arch}.expert_used_count" not in meta:
@@ -296,22 +241,18 @@ def gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
     """Every tensor under its Hugging Face name, as stored (`expand`: as float32 values)."""
     arch = gguf.architecture
-    per_layer, global_names = (_GPT2_NAMES, _GPT2_GLOBAL) if arch == "gpt2" else (_LLAMA_NAMES, _LLAMA_GLOBAL)
-    if arch in GEMMA:
-        per_layer = _GEMMA_NAMES
-    elif arch == "phi3":
-        per_layer = PHI3_GGUF_NAMES
-    if config.moe is not None:
-        per_layer = {**per_layer, **_MOE_NAMES}
-    layer_prefix = "transformer.h" if arch == "gpt2" else "model.layers"
+    model_class = model_class_for(config.architecture)  # it knows its checkpoints' names
+    per_layer, global_names = model_class.gguf_layer_names, model_class.gguf_global_names
+    expert_tensors: dict[str, tuple[str, ...]] = getattr(model_class, "gguf_expert_tensors", {})
+    layer_prefix = model_class.gguf_layer_prefix
     for name in gguf.tensor_names():
         if name in _ROPE_FACTOR_TENSORS:
             continue  # part of the rotary scaling in the config
         stem, _, suffix = name.rpartition(".")  # suffix: weight | bias
         parts = stem.split(".")
-        if config.moe is not None and parts[0] == "blk" and len(parts) == 3 and parts[2] in _EXPERT_TENSORS:
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in expert_tensors:
             tensor = gguf.load_tensor(name) if expand else gguf.tensor(name)
-            yield from _expert_slices(tensor, gguf.tensor_shape(name), parts[1], _EXPERT_TENSORS[parts[2]])
+            yield from _expert_slices(tensor, gguf.tensor_shape(name), parts[1], expert_tensors[parts[2]])
             continue
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in per_layer:
             hf_name = f"{layer_prefix}.{parts[1]}.{per_layer[parts[2]]}.{suffix}"

@@ -10,6 +10,7 @@ are added on rank 0 only (the all-reduce would add them once per rank).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,24 @@ class GPT2Backbone(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
+    hf_model_types: ClassVar[dict[str, str]] = {"gpt2": "gpt2"}
+    gguf_architectures: ClassVar[dict[str, str]] = {"gpt2": "gpt2"}
+    gguf_layer_prefix: ClassVar[str] = "transformer.h"
+    gguf_layer_names: ClassVar[dict[str, str]] = {
+        "attn_norm": "ln_1",
+        "attn_qkv": "attn.c_attn",
+        "attn_output": "attn.c_proj",
+        "ffn_norm": "ln_2",
+        "ffn_up": "mlp.c_fc",
+        "ffn_down": "mlp.c_proj",
+    }
+    gguf_global_names: ClassVar[dict[str, str]] = {
+        "token_embd": "transformer.wte",
+        "position_embd": "transformer.wpe",
+        "output_norm": "transformer.ln_f",
+        "output": "lm_head",
+    }
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config

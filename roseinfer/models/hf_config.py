@@ -9,8 +9,12 @@ from typing import Any
 from roseinfer.config import ModelConfig, MoeConfig
 from roseinfer.errors import ModelLoadError
 from roseinfer.layers.rotary import ROPE_SCALING_TYPES, rope_scaling_type, unsupported_rope_scaling
+from roseinfer.models.registry import HF_MODEL_TYPES
 
-# model_type -> (our architecture, attention biases, q/k norms)
+# Which model_types each class reads, and our architecture name for them: the classes'
+# hf_model_types (models/registry.py: HF_MODEL_TYPES). Here, each family's config defaults.
+
+# Llama-family model_type -> (attention biases, q/k norms)
 _LLAMA_FAMILY = {
     "llama": (False, False),
     "mistral": (False, False),
@@ -78,6 +82,9 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
     if (directory / "generation_config.json").is_file():
         generation = json.loads((directory / "generation_config.json").read_text())
     model_type = raw.get("model_type", "")
+    architecture = HF_MODEL_TYPES.get(model_type)
+    if architecture is None:
+        raise ModelLoadError(f"{path}: model_type {model_type!r} is not supported; supported: {sorted(HF_MODEL_TYPES)}")
     eos = _eos_ids(raw.get("eos_token_id"), generation.get("eos_token_id"))
     name = directory.name
 
@@ -96,7 +103,7 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
                 layer_types = ["sliding_attention" if i >= first else "full_attention"
                                for i in range(raw["num_hidden_layers"])]
         return ModelConfig(
-            architecture="phi3" if model_type == "phi3" else "llama",
+            architecture=architecture,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             num_layers=raw["num_hidden_layers"],
@@ -119,11 +126,11 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
             name=name,
             checkpoint_dtype=_stored_dtype(raw),
         )
-    if model_type in _GEMMA:
-        return _gemma_config(raw, model_type, path, eos, name)
-    if model_type in _MOE_FAMILY:
+    if architecture in ("gemma2", "gemma3"):
+        return _gemma_config(raw, model_type, architecture, path, eos, name)
+    if architecture == "moe":
         return _moe_config(raw, model_type, path, eos, name)
-    if model_type == "gpt2":
+    if architecture == "gpt2":
         hidden = raw["n_embd"]
         activation = raw.get("activation_function", "gelu_new")
         if activation not in ("gelu_new", "gelu", "gelu_pytorch_tanh"):
@@ -145,18 +152,17 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
             name=name,
             checkpoint_dtype=_stored_dtype(raw),
         )
-    supported = sorted([*_LLAMA_FAMILY, *_GEMMA, *_MOE_FAMILY, "gpt2"])
-    raise ModelLoadError(
-        f"{path}: model_type {model_type!r} is not supported; supported: {supported}"
-    )
+    raise ModelLoadError(f"{path}: model_type {model_type!r} ({architecture}) has no config reader here")
 
 
-# model_type -> (our architecture, the period of its default layer pattern: every n-th layer global)
-_GEMMA = {"gemma2": ("gemma2", 2), "gemma3_text": ("gemma3", 6)}
+# Gemma model_type -> the period of its default layer pattern (every n-th layer global)
+_GEMMA_PERIOD = {"gemma2": 2, "gemma3_text": 6}
 
 
-def _gemma_config(raw: dict[str, Any], model_type: str, path: Path, eos: list[int], name: str) -> ModelConfig:
-    architecture, period = _GEMMA[model_type]
+def _gemma_config(
+    raw: dict[str, Any], model_type: str, architecture: str, path: Path, eos: list[int], name: str
+) -> ModelConfig:
+    period = _GEMMA_PERIOD[model_type]
     if raw.get("use_bidirectional_attention"):
         raise ModelLoadError(f"{path}: use_bidirectional_attention (an embedding model) is not supported")
     activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"

@@ -9,6 +9,7 @@ layers/parallel.py) each rank builds only its heads, MLP columns and vocabulary 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ from roseinfer.layers.rotary import (
     interleave_rotary_rows,
     rope_frequencies,
 )
+from roseinfer.models.fused_decode import DecodeLayerSpec, DecodeModelSpec
 from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
 
@@ -119,7 +121,40 @@ class LlamaBackbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
 
+# llama.cpp's tensor names -> Hugging Face's: per layer (blk.N.<name>) and outside the layers.
+LLAMA_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+LLAMA_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
 class LlamaForCausalLM(nn.Module):
+    # The checkpoints this class reads, for the loaders (models/registry.py gathers them): Hugging
+    # Face model_type and GGUF general.architecture -> the architecture name of the registry.
+    hf_model_types: ClassVar[dict[str, str]] = {
+        "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+    }
+    gguf_architectures: ClassVar[dict[str, str]] = {
+        "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+    }
+    gguf_layer_prefix: ClassVar[str] = "model.layers"
+    gguf_layer_names: ClassVar[dict[str, str]] = LLAMA_GGUF_LAYER_NAMES
+    gguf_global_names: ClassVar[dict[str, str]] = LLAMA_GGUF_GLOBAL_NAMES
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -151,6 +186,42 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary on rank 0 (None on the other ranks)."""
         return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
+
+    def fused_decode_spec(self) -> DecodeModelSpec | None:
+        """This model's decode step as a fused decoder computes it (models/fused_decode.py): what
+        `forward` runs, layer by layer. None for a subclass that changes the forward, the logits
+        or a layer's class without describing itself: it must not inherit Llama's description."""
+        llama = LlamaForCausalLM
+        if type(self).forward is not llama.forward or type(self).compute_logits is not llama.compute_logits:
+            return None
+        if not all(type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
+                   and type(layer.mlp) is LlamaMLP for layer in self.model.layers):
+            return None
+        return DecodeModelSpec(
+            embedding=self.model.embed_tokens,
+            layers=tuple(
+                DecodeLayerSpec(
+                    input_norm=layer.input_layernorm.weight.detach(),
+                    qkv_proj=layer.self_attn.qkv_proj,
+                    o_proj=layer.self_attn.o_proj,
+                    mlp_norm=layer.post_attention_layernorm.weight.detach(),
+                    gate_up_proj=layer.mlp.gate_up_proj,
+                    down_proj=layer.mlp.down_proj,
+                    attention=layer.self_attn.attn.params,
+                    rotary=self.rotary,
+                    norm_eps=layer.input_layernorm.eps,
+                    intermediate_size=layer.mlp.intermediate_size,
+                    activation="silu",
+                    q_norm=layer.self_attn.q_norm.weight.detach() if layer.self_attn.qk_norm else None,
+                    k_norm=layer.self_attn.k_norm.weight.detach() if layer.self_attn.qk_norm else None,
+                )
+                for layer in self.model.layers
+            ),
+            final_norm=self.model.norm.weight.detach(),
+            norm_eps=self.model.norm.eps,
+            lm_head=self.lm_head,
+            hidden_size=self.config.hidden_size,
+        )
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], on_module_loaded: ModuleLoaded | None = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from roseinfer.layers.activation import silu_and_mul
 from roseinfer.layers.attention import AttentionMetadata
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.rotary import apply_rotary, interleave_rotary_rows
-from roseinfer.models.llama import LlamaAttention, LlamaForCausalLM
+from roseinfer.models.llama import LLAMA_GGUF_LAYER_NAMES, LlamaAttention, LlamaForCausalLM
 from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
 
@@ -149,6 +150,28 @@ def _canonical_names(
 class MoeForCausalLM(LlamaForCausalLM):
     """A Llama-family decoder whose MLPs are `SparseMoeBlock`s, except in `moe.dense_layers`."""
 
+    hf_model_types: ClassVar[dict[str, str]] = {
+        "mixtral": "moe", "qwen2_moe": "moe", "qwen3_moe": "moe", "olmoe": "moe",
+    }
+    # (and a "llama" file with experts: Mixtral; gguf_loader tells it by its expert count)
+    gguf_architectures: ClassVar[dict[str, str]] = {"qwen2moe": "moe", "qwen3moe": "moe", "olmoe": "moe"}
+    # The router, Qwen2-MoE's shared expert and its gate.
+    gguf_layer_names: ClassVar[dict[str, str]] = {
+        **LLAMA_GGUF_LAYER_NAMES,
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    }
+    # The experts' 3-D [experts, rows, columns] tensors -> the per-expert projections they hold.
+    gguf_expert_tensors: ClassVar[dict[str, tuple[str, ...]]] = {
+        "ffn_gate_exps": ("gate_proj",),
+        "ffn_up_exps": ("up_proj",),
+        "ffn_down_exps": ("down_proj",),
+        "ffn_gate_up_exps": ("gate_proj", "up_proj"),
+    }
+
     def __init__(self, config: ModelConfig) -> None:
         if config.moe is None:
             raise ModelLoadError("a mixture-of-experts model needs its expert configuration (ModelConfig.moe)")
@@ -165,6 +188,10 @@ class MoeForCausalLM(LlamaForCausalLM):
                 layer.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
             else:
                 layer.mlp = SparseMoeBlock(config)
+
+    def fused_decode_spec(self) -> None:
+        """No fused decode step: its description has no router or experts (op by op)."""
+        return None
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], on_module_loaded: ModuleLoaded | None = None

@@ -10,6 +10,7 @@ Llama checkpoint's would be.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import ClassVar
 
 import torch
 
@@ -29,6 +30,10 @@ PHI3_GGUF_NAMES = {
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    hf_model_types: ClassVar[dict[str, str]] = {"phi3": "phi3"}
+    gguf_architectures: ClassVar[dict[str, str]] = {"phi3": "phi3"}
+    gguf_layer_names: ClassVar[dict[str, str]] = PHI3_GGUF_NAMES
+
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], on_module_loaded: ModuleLoaded | None = None
     ) -> None:

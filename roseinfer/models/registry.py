@@ -1,4 +1,6 @@
-"""Architecture name -> model class, and building a model with its weights on a device."""
+"""Architecture name -> model class (the one place a family is registered), the checkpoint names
+each class reads (its `hf_model_types` and `gguf_architectures`, gathered here for the loaders),
+and building a model with its weights on a device."""
 
 from __future__ import annotations
 
@@ -28,6 +30,31 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 }
 
 
+def _checkpoint_names(attribute: str) -> dict[str, str]:
+    """A checkpoint's architecture name (Hugging Face model_type, GGUF general.architecture) ->
+    ours, from every registered class's `attribute`."""
+    names: dict[str, str] = {}
+    for model_class in dict.fromkeys(MODEL_CLASSES.values()):
+        for name, architecture in getattr(model_class, attribute, {}).items():
+            if MODEL_CLASSES.get(architecture) is not model_class:
+                raise AssertionError(f"{model_class.__name__}.{attribute}: {name!r} -> {architecture!r}, not its own")
+            names[name] = architecture
+    return names
+
+
+HF_MODEL_TYPES = _checkpoint_names("hf_model_types")
+GGUF_ARCHITECTURES = _checkpoint_names("gguf_architectures")
+
+
+def model_class_for(architecture: str) -> type[nn.Module]:
+    model_class = MODEL_CLASSES.get(architecture)
+    if model_class is None:
+        raise ModelLoadError(
+            f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_CLASSES)}"
+        )
+    return model_class
+
+
 def build_model(
     config: ModelConfig,
     weights: Iterable[tuple[str, object]],
@@ -38,11 +65,7 @@ def build_model(
     """Instantiate without initialising (meta tensors), fill every parameter from `weights` (dense
     tensors, or GGUF blocks kept as they are), then give the linear layers the kernels of the
     device, the weights' formats and the quantization method."""
-    model_class = MODEL_CLASSES.get(config.architecture)
-    if model_class is None:
-        raise ModelLoadError(
-            f"architecture {config.architecture!r} is not supported; supported: {sorted(MODEL_CLASSES)}"
-        )
+    model_class = model_class_for(config.architecture)
     with torch.device("meta"):
         model = model_class(config).to(dtype)
     model = model.to_empty(device=device)

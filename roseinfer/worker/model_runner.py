@@ -24,14 +24,12 @@ from roseinfer.config import EngineConfig, ModelConfig
 from roseinfer.core.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.distributed.partition import partition
-from roseinfer.errors import InvalidRequestError
-from roseinfer.layers.attention import (
-    AttentionMetadata,
-    DecodeKernel,
-    PrefillChunk,
-    causal_mask_with_prefix,
+from roseinfer.layers.attention import AttentionMetadata
+from roseinfer.layers.attention_backends import (
+    AttentionBatch,
+    PrefillRows,
+    select_attention_backend,
 )
-from roseinfer.layers.cpu_kernels import cpu_kernels
 from roseinfer.models.fused_decode import fused_decoder_for
 from roseinfer.models.loader import trim_heap
 from roseinfer.outputs import TokenLogprob
@@ -41,18 +39,6 @@ from roseinfer.step_timings import PhaseClock, StepTimings
 from roseinfer.worker.fault_injection import fault_token_from_env, raise_if_faulty
 from roseinfer.worker.sampler import Sampler, SamplingBatch
 from roseinfer.worker.spec_decode import verify_drafts
-
-
-def decode_kernel_for(attention_backend: str, device: torch.device) -> DecodeKernel | None:
-    """The compiled decode kernel for `cpp` (and for `auto` on the CPU when it builds)."""
-    if attention_backend == "torch" or (attention_backend == "auto" and device.type != "cpu"):
-        return None
-    if device.type != "cpu":
-        raise InvalidRequestError(f"attention_backend 'cpp' runs on the CPU only, not {device}", "attention_backend")
-    kernels = cpu_kernels()
-    if kernels is None and attention_backend == "cpp":
-        raise InvalidRequestError("attention_backend 'cpp': the C++ kernel could not be built", "attention_backend")
-    return kernels.paged_decode_attention if kernels is not None else None
 
 
 def zeroed_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -149,10 +135,13 @@ class ModelRunner:
         shape = (2, config.num_kv_blocks, self.block_size, kv_heads, row)
         self.kv_caches = [zeroed_untouched(shape, config.kv_cache_torch_dtype, self.device) for _ in range(model_config.num_layers)]
         self.sampler = Sampler()
-        self.decode_kernel = decode_kernel_for(config.attention_backend, self.device)
-        # Decode-only steps in one C++ call (Llama-family models on the CPU kernels: fused_decode.py).
+        # The engine's one attention backend (--attention-backend, the device, whether the C++
+        # kernels built): it builds each step's metadata, which carries it to every layer.
+        self.attention_backend = select_attention_backend(config.attention_backend, self.device, self.block_size)
+        # Decode-only steps in one C++ call, where the model describes a step it computes (fused_decode.py).
         self.fused_decoder = (
-            fused_decoder_for(model, model_config, self.dtype, self.device) if self.decode_kernel is not None else None
+            fused_decoder_for(model, self.dtype, self.device)
+            if self.attention_backend.runs_fused_decode else None
         )
         self.long_rope_from = model_config.long_rope_from  # LongRoPE models: see prepare_inputs
         self.requests: dict[str, CachedRequestState] = {}
@@ -266,19 +255,20 @@ class ModelRunner:
                 logits_indices.extend(range(len(ids) - 1 - len(drafts), len(ids)))
                 sampling.append(state)
 
-        meta = AttentionMetadata(slot_mapping=self._tensor(np.concatenate(slots)))
+        batch = AttentionBatch(slot_mapping=np.concatenate(slots))
+        if decodes:
+            batch.decode_block_tables, batch.decode_context_lens = self._decode_tables([state for state, _ in decodes])
+        offset = len(decodes)
+        prefill_rows = []
+        for state, num_new in prefills:
+            num_blocks = -(-(state.num_computed_tokens + num_new) // block_size)
+            block_ids = np.asarray(state.block_ids[:num_blocks], dtype=np.int64)
+            prefill_rows.append(PrefillRows(offset, num_new, state.num_computed_tokens, block_ids))
+            offset += num_new
+        batch.prefills = prefill_rows
+        meta = self.attention_backend.build_metadata(batch)
         if long_rope:
             meta.long_rope = self._tensor(np.concatenate(long_rope))
-        if decodes:
-            self._decode_metadata(meta, [state for state, _ in decodes])
-        offset = len(decodes)
-        for state, num_new in prefills:
-            cached = state.num_computed_tokens
-            num_blocks = -(-(cached + num_new) // block_size)
-            block_ids = self._tensor(np.asarray(state.block_ids[:num_blocks], dtype=np.int64))
-            mask = causal_mask_with_prefix(cached, num_new, self.device) if cached else None
-            meta.prefills.append(PrefillChunk(offset, num_new, cached, block_ids, mask))
-            offset += num_new
 
         return StepInputs(
             input_ids=self._tensor(np.asarray(ids, dtype=np.int64)),
@@ -315,7 +305,8 @@ class ModelRunner:
                 pooled[state.req_id] = rows[-1].float().cpu().numpy()
         return pooled
 
-    def _decode_metadata(self, meta: AttentionMetadata, states: list[CachedRequestState]) -> None:
+    def _decode_tables(self, states: list[CachedRequestState]) -> tuple[np.ndarray, np.ndarray]:
+        """The decode rows' block tables, padded to the longest, and context lengths."""
         lengths = np.fromiter((s.num_computed_tokens + 1 for s in states), np.int64, len(states))
         max_blocks = int(-(-lengths.max() // self.block_size))
         # Padded with block 0: a real block, so the padding holds finite values the mask hides.
@@ -323,14 +314,7 @@ class ModelRunner:
         for row, state in enumerate(states):
             table = state.block_ids[:max_blocks]
             padded[row, : len(table)] = table
-        meta.num_decode_tokens = len(states)
-        meta.decode_block_tables = self._tensor(padded)
-        meta.decode_context_lens = self._tensor(lengths)
-        meta.decode_kernel = self.decode_kernel
-        if self.decode_kernel is None:
-            key_positions = np.arange(max_blocks * self.block_size)
-            mask = key_positions[None, :] < lengths[:, None]
-            meta.decode_mask = self._tensor(mask[:, None, None, :])
+        return padded, lengths
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
