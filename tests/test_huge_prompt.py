@@ -2,8 +2,8 @@
 token arrives before the first request's response has begun.
 
 The huge prompt (about 3.6M characters: 3-4 s of tokenizing on an idle core; a 900k one took
-0.8 s, less than the wait below) has more tokens than the context, so its whole answer is a 400 `context_length_exceeded` sent the moment its tokenizing ends: no
-engine work follows it. Its response not having begun therefore means it is still being tokenized.
+0.8 s, less than the wait below) has more tokens than the context, so its whole answer is a 400
+`context_length_exceeded` sent the moment its tokenizing ends: no engine work follows it. Its response not having begun therefore means it is still being tokenized.
 The verdict is an order of events (which response came first), not a duration.
 """
 
