@@ -128,6 +128,21 @@ def test_two_replicas_behind_the_router(tiny_llama):
         assert server.stop() == 0
 
 
+def test_a_keyless_launch_on_a_network_address_is_refused(tiny_llama):
+    """Without a key the data-parallel shape listens on loopback only: --host 0.0.0.0 is refused by
+    name before any replica starts (a key, or 127.0.0.1, is what it takes)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ROSEINFER_API_KEY"}
+    result = subprocess.run(
+        [sys.executable, "-m", "roseinfer.cli", "serve", "--model", str(tiny_llama), "--data-parallel-size", "2",
+         "--host", "0.0.0.0", "--port", "9"], capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert result.returncode != 0
+    assert "--host 0.0.0.0 needs an API key" in result.stderr, result.stderr[-2000:]
+
+
 def test_router_defaults_are_accepted_and_other_values_are_not():
     """vllm-router and sglang-router add their request types' defaults to every body they forward."""
     from pydantic import ValidationError

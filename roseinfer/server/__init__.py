@@ -181,8 +181,12 @@ def allowed_hosts(args: argparse.Namespace, api_key: str | None) -> list[str] | 
 
             raise RoseInferError("--allowed-hosts is empty: give names, or '*' for any")
         return None if "*" in names else names
-    loopback = args.host in ("localhost", "::1") or args.host.startswith("127.")
-    return LOOPBACK_HOSTS if api_key is None and loopback else None
+    return LOOPBACK_HOSTS if api_key is None and is_loopback(args.host) else None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `--host` listens on this machine's loopback interface only."""
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -107,9 +107,16 @@ class DataParallelLauncher:
         if args.port in self.ports:
             raise RoseInferError(f"the router's port {args.port} is one of the replicas' ports {self.ports}")
         self.command = [sys.executable, "-m", "roseinfer.cli", *replica_arguments(argv)]
-        from roseinfer.server import API_KEY_ENV, resolve_api_key
+        from roseinfer.server import API_KEY_ENV, is_loopback, resolve_api_key
 
         self.api_key = resolve_api_key(args)
+        if self.api_key is None and not is_loopback(args.host):
+            # A keyless data-parallel deployment on a network address: whoever reaches it drives
+            # every replica (issue: the router shape must not be open by default).
+            raise RoseInferError(
+                f"--data-parallel-size on --host {args.host} needs an API key (--api-key, --api-key-file or "
+                f"${API_KEY_ENV}): without one anyone who reaches it uses every replica; or listen on 127.0.0.1"
+            )
         self.replica_env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
         if self.api_key is not None:
             self.replica_env[API_KEY_ENV] = self.api_key
