@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -79,13 +79,7 @@ class LLM:
         not set in `pooling_params` are the engine's (`pooling`, `pooling_normalize`). A prompt
         whose step failed has `outputs` None and its `error` (as generate's finish_reason "error")."""
         prompts_list = _normalize_prompts(prompts, prompt_token_ids)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params_list = [pooling_params or PoolingParams()] * len(prompts_list)
-        else:
-            params_list = list(pooling_params)
-            if len(params_list) != len(prompts_list):
-                raise InvalidRequestError(
-                    f"got {len(params_list)} pooling_params for {len(prompts_list)} prompts", "pooling_params")
+        params_list = _per_prompt(pooling_params, len(prompts_list), PoolingParams, "pooling_params")
         return self._run(prompts_list, params_list, use_tqdm, desc="Embedding")
 
     def _run(
@@ -158,19 +152,27 @@ def _normalize_prompts(
     return items
 
 
+P = TypeVar("P", SamplingParams, PoolingParams)
+
+
+def _per_prompt(params: P | Sequence[P] | None, count: int, kind: type[P], name: str) -> list[P]:
+    """One params object per prompt: the one given (or the default) for all, or a list of exactly
+    one each; `name` is the argument's, for the error."""
+    if params is None or isinstance(params, kind):
+        return [params or kind()] * count
+    items = list(params)
+    if len(items) != count:
+        raise InvalidRequestError(f"got {len(items)} {name} for {count} prompts", name)
+    return items
+
+
 def _per_prompt_params(
     sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
 ) -> list[SamplingParams]:
     """One SamplingParams per prompt, each asking for its final output only."""
-    if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        one = _final_only(sampling_params or SamplingParams())
-        return [one] * count
-    params = list(sampling_params)
-    if len(params) != count:
-        raise InvalidRequestError(
-            f"got {len(params)} sampling_params for {count} prompts", "sampling_params"
-        )
-    return [_final_only(p) for p in params]
+    params = _per_prompt(sampling_params, count, SamplingParams, "sampling_params")
+    finals = {id(p): _final_only(p) for p in params}  # a params object shared by all is copied once
+    return [finals[id(p)] for p in params]
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:
