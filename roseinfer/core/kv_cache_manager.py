@@ -206,10 +206,6 @@ class KVCacheManager:
         live = next((block for block in table if block != RELEASED), RELEASED)
         return [live if block == RELEASED else block for block in table]
 
-    def num_held_blocks(self, request_id: int) -> int:
-        """Blocks the request holds (released places not counted)."""
-        return sum(block != RELEASED for block in self.block_tables.get(request_id, []))
-
     def _num_released(self, num_computed: int) -> int:
         """How many leading blocks no query at position >= `num_computed` reads: those wholly
         before its span (keys at positions > query - span)."""
