@@ -28,13 +28,14 @@ from roseinfer.layers.activation import gelu_tanh_and_mul
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
-from roseinfer.models.fused_decode import DecodeLayerSpec, DecodeModelSpec
+from roseinfer.models.fused_decode import DecodeModelSpec
 from roseinfer.models.llama import (
     LLAMA_GGUF_LAYER_NAMES,
     LlamaAttention,
     LlamaBackbone,
     LlamaForCausalLM,
     LlamaMLP,
+    decode_layer_spec,
 )
 from roseinfer.models.weights import ModuleLoaded
 
@@ -149,20 +150,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return DecodeModelSpec(
             embedding=self.model.embed_tokens,
             layers=tuple(
-                DecodeLayerSpec(
-                    input_norm=layer.input_layernorm.weight.detach(),
-                    qkv_proj=layer.self_attn.qkv_proj,
-                    o_proj=layer.self_attn.o_proj,
-                    mlp_norm=layer.pre_feedforward_layernorm.weight.detach(),
-                    gate_up_proj=layer.mlp.gate_up_proj,
-                    down_proj=layer.mlp.down_proj,
-                    attention=layer.self_attn.attn.params,
-                    rotary=self.rotary_local if layer.is_local and not self.same_rotary else self.rotary,
-                    norm_eps=layer.input_layernorm.eps,
-                    intermediate_size=layer.mlp.intermediate_size,
-                    activation="gelu_tanh",
-                    q_norm=layer.self_attn.q_norm.weight.detach() if layer.self_attn.qk_norm else None,
-                    k_norm=layer.self_attn.k_norm.weight.detach() if layer.self_attn.qk_norm else None,
+                decode_layer_spec(
+                    layer, layer.pre_feedforward_layernorm,
+                    self.rotary_local if layer.is_local and not self.same_rotary else self.rotary, "gelu_tanh",
                     attention_out_norm=layer.post_attention_layernorm.weight.detach(),
                     mlp_out_norm=layer.post_feedforward_layernorm.weight.detach(),
                 )

@@ -142,6 +142,31 @@ LLAMA_GGUF_GLOBAL_NAMES = {
 }
 
 
+def decode_layer_spec(
+    layer: nn.Module, mlp_norm: RMSNorm, rotary: RotaryEmbedding, activation: str, **extra: torch.Tensor
+) -> DecodeLayerSpec:
+    """One decoder layer of the Llama layout (input norm, fused qkv, o, optional q/k norms, fused
+    gate/up, down; Gemma's layers too) as the fused decode step reads it; `extra`: the spec's
+    optional fields (Gemma's norms after attention and FFN)."""
+    attention = layer.self_attn
+    return DecodeLayerSpec(
+        input_norm=layer.input_layernorm.weight.detach(),
+        qkv_proj=attention.qkv_proj,
+        o_proj=attention.o_proj,
+        mlp_norm=mlp_norm.weight.detach(),
+        gate_up_proj=layer.mlp.gate_up_proj,
+        down_proj=layer.mlp.down_proj,
+        attention=attention.attn.params,
+        rotary=rotary,
+        norm_eps=layer.input_layernorm.eps,
+        intermediate_size=layer.mlp.intermediate_size,
+        activation=activation,
+        q_norm=attention.q_norm.weight.detach() if attention.qk_norm else None,
+        k_norm=attention.k_norm.weight.detach() if attention.qk_norm else None,
+        **extra,
+    )
+
+
 class LlamaForCausalLM(nn.Module):
     # The checkpoints this class reads, for the loaders (models/registry.py gathers them): Hugging
     # Face model_type and GGUF general.architecture -> the architecture name of the registry.
@@ -200,21 +225,7 @@ class LlamaForCausalLM(nn.Module):
         return DecodeModelSpec(
             embedding=self.model.embed_tokens,
             layers=tuple(
-                DecodeLayerSpec(
-                    input_norm=layer.input_layernorm.weight.detach(),
-                    qkv_proj=layer.self_attn.qkv_proj,
-                    o_proj=layer.self_attn.o_proj,
-                    mlp_norm=layer.post_attention_layernorm.weight.detach(),
-                    gate_up_proj=layer.mlp.gate_up_proj,
-                    down_proj=layer.mlp.down_proj,
-                    attention=layer.self_attn.attn.params,
-                    rotary=self.rotary,
-                    norm_eps=layer.input_layernorm.eps,
-                    intermediate_size=layer.mlp.intermediate_size,
-                    activation="silu",
-                    q_norm=layer.self_attn.q_norm.weight.detach() if layer.self_attn.qk_norm else None,
-                    k_norm=layer.self_attn.k_norm.weight.detach() if layer.self_attn.qk_norm else None,
-                )
+                decode_layer_spec(layer, layer.post_attention_layernorm, self.rotary, "silu")
                 for layer in self.model.layers
             ),
             final_norm=self.model.norm.weight.detach(),
