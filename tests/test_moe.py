@@ -34,7 +34,8 @@ def _config(kind: str, vocab: int):
             norm_topk_prob=True, head_dim=16, rope_theta=1000000.0, **common)
     if kind == "qwen2_moe":  # a shared expert behind a sigmoid gate; top-k weights not renormalised
         return transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
-            intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
+            # Expert widths of two Q8_0 blocks: two ranks each take whole blocks of every down projection.
+            intermediate_size=96, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=6,
             num_experts_per_tok=2, norm_topk_prob=False, rope_theta=1000000.0, **common)
     if kind == "olmoe":  # q/k norms over all heads; top-k weights not renormalised
         return transformers.OlmoeForCausalLM, transformers.OlmoeConfig(
@@ -149,10 +150,56 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens(tmp_path_factory):
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
 
-def test_tensor_parallelism_is_refused_by_name(tmp_path_factory):
+def test_prefix_caching_gives_the_same_tokens(tmp_path_factory):
+    """A prompt sent again reads its cached blocks (all but the last) and continues as before."""
     moe = built("qwen3_moe", tmp_path_factory)
-    with pytest.raises(InvalidRequestError, match="tensor parallelism is not supported for mixture-of-experts"):
-        LLM(str(moe.gguf), tensor_parallel_size=2, num_kv_blocks=16)
+    llm = LLM(str(moe.hf_dir), num_kv_blocks=64, block_size=16, enable_prefix_caching=True, **EXACT)
+    stats = llm.engine.kv_cache.prefix_stats
+    prompt, expected = moe.prompts[3], moe.expected[3]  # 40 tokens: two full blocks
+    assert _greedy(llm, [prompt]) == [expected]
+    hits = stats.hits
+    assert _greedy(llm, [prompt]) == [expected]
+    assert stats.hits - hits >= 32
+
+
+# Qwen2-MoE: a shared expert and q/k/v biases, from its HF directory and from Q8_0 blocks (each rank
+# a column slice of every expert's down blocks); OLMoE: q/k norms over the heads of both ranks.
+@pytest.mark.parametrize(("kind", "source"), [("qwen2_moe", "hf"), ("qwen2_moe", "gguf"),
+                                              ("olmoe", "hf"), ("olmoe", "gguf")])
+def test_two_ranks_match_one(tmp_path_factory, kind, source):
+    """Every sampled row's logits (prefill in chunks mixed with decodes) within 1e-4 of one rank's,
+    the same greedy tokens, and after preemption in a pool too small for all four prompts too."""
+    from test_tensor_parallel import compare_logits, engine_config, generate, make_core
+
+    from roseinfer.core.engine_core import EngineCore
+
+    moe = built(kind, tmp_path_factory)
+    path = moe.hf_dir if source == "hf" else moe.gguf
+    # The HF directory's float32 weights multiplied exactly; the GGUF file's blocks run as they are.
+    weights = EXACT if source == "hf" else {}
+    reference = make_core(path, **weights)
+    tp_core = make_core(path, tensor_parallel_size=2, **weights)
+    try:
+        executor = tp_core.executor
+        assert [s["kv_heads"] for s in executor.collective_rpc("cache_state")] == [1, 1]
+        assert compare_logits(reference, executor, moe.prompts, max_tokens=4) < 1e-4
+        expected = generate(reference, moe.prompts, 8, "one")
+        assert generate(tp_core, moe.prompts, 8, "two") == expected
+        if source == "hf":  # transformers' tokens
+            assert [expected[f"-{i}"] for i in range(len(moe.prompts))] == [t[:8] for t in moe.expected]
+        # 16 blocks of 4: not enough for the 40-token prompt and the others at once.
+        tight = EngineCore(*engine_config(path, num_kv_blocks=16, **weights), executor=executor)
+        assert generate(tight, moe.prompts, 8, "tight") == expected
+        assert tight.scheduler.stats.num_preemptions > 0
+        assert tight.kv_cache.num_free_blocks == tight.kv_cache.num_blocks
+    finally:
+        tp_core.shutdown()
+
+
+def test_more_ranks_than_an_expert_has_columns_is_refused(tmp_path_factory):
+    moe = built("qwen3_moe", tmp_path_factory)
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_size 64 is more than the expert FFN width 32"):
+        LLM(str(moe.hf_dir), tensor_parallel_size=64)
 
 
 def test_stacked_expert_tensors_load(tmp_path_factory, tmp_path):

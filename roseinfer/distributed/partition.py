@@ -35,12 +35,15 @@ def check_tensor_parallel(model_config: ModelConfig, tensor_parallel_size: int) 
     """Raise a clear error if the model cannot be split over this many ranks."""
     if tensor_parallel_size == 1:
         return
-    if model_config.moe is not None:  # models/moe.py builds every expert whole on one rank
-        raise InvalidRequestError(
-            f"tensor_parallel_size {tensor_parallel_size}: tensor parallelism is not supported for "
-            f"mixture-of-experts models ({model_config.name or 'this model'}); use tensor_parallel_size 1",
-            "tensor_parallel_size",
-        )
+    moe = model_config.moe
+    if moe is not None:  # every expert's FFN is cut as a dense MLP is (models/moe.py)
+        for what, width in (("expert FFN width", moe.intermediate_size),
+                            ("shared expert FFN width", moe.shared_expert_intermediate_size)):
+            if width and width < tensor_parallel_size:
+                raise InvalidRequestError(
+                    f"tensor_parallel_size {tensor_parallel_size} is more than the {what} {width}",
+                    "tensor_parallel_size",
+                )
     kv_heads = model_config.num_kv_heads
     if kv_heads < tensor_parallel_size:
         raise InvalidRequestError(

@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from roseinfer.config import EngineConfig, ModelConfig
+from roseinfer.config import EngineConfig, ModelConfig, MoeConfig
 from roseinfer.core import serial
 from roseinfer.executor.channel_security import (
     CurveKeys,
@@ -33,6 +33,7 @@ from roseinfer.executor.channel_security import (
 # The configuration travels to every rank (remote hosts included) in the first broadcast.
 serial.register(EngineConfig)
 serial.register(ModelConfig)
+serial.register(MoeConfig)  # ModelConfig.moe of a mixture-of-experts model
 
 _HEARTBEAT_MS = 2000
 _HEARTBEAT_TIMEOUT_MS = 20000

@@ -9,7 +9,12 @@ tensors are cut into one `BlockTensor` per expert and run in their own blocks, w
 The tokens of a step are grouped by the expert they chose and each chosen expert runs one matrix
 product over its group, so a decode step reads only the weights of the experts its tokens chose.
 
-Tensor parallelism is not implemented for these models (refused by name at build time).
+Under tensor parallelism (layers/parallel.py) every FFN is cut as the dense Llama MLP is: each
+rank holds its columns of every expert's (and the shared expert's) gate/up and the matching rows of
+its down projection. The router is replicated and every all-reduce leaves the same sum on every
+rank, so every rank routes a token to the same experts; each rank adds up its partial expert
+outputs, and the whole block (experts and shared expert) is summed across ranks with one all-reduce. OLMoE's q/k norms over all heads take the sum of squares
+of every rank's heads (one more all-reduce, of two numbers per token).
 """
 
 from __future__ import annotations
@@ -23,26 +28,33 @@ from torch import nn
 
 from roseinfer.config import ModelConfig
 from roseinfer.distributed.parallel_state import get_tp_group
+from roseinfer.distributed.partition import partition
 from roseinfer.errors import ModelLoadError
 from roseinfer.layers.activation import silu_and_mul
 from roseinfer.layers.attention import AttentionMetadata
 from roseinfer.layers.norm import RMSNorm
+from roseinfer.layers.parallel import take_shard
 from roseinfer.layers.rotary import apply_rotary, interleave_rotary_rows
 from roseinfer.models.llama import LLAMA_GGUF_LAYER_NAMES, LlamaAttention, LlamaForCausalLM
 from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
 
 class GatedMLP(nn.Module):
-    """One SwiGLU FFN (an expert, a shared expert or a dense layer's MLP), unsharded."""
+    """One SwiGLU FFN (an expert, a shared expert or a dense layer's MLP): this rank's columns of
+    gate/up (column-parallel) and rows of down (row-parallel), as LlamaMLP. `reduce`: sum the ranks'
+    partial outputs here (a dense layer); an expert's are left to its MoE block, which sums once."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, reduce: bool = False) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.tp = get_tp_group()
+        self.reduce = reduce
+        self.start, self.intermediate_size = partition(intermediate_size, self.tp.size, self.tp.rank)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(out) if self.reduce else out
 
 
 class SparseMoeBlock(nn.Module):
@@ -52,6 +64,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         moe = config.moe
         assert moe is not None
+        self.tp = get_tp_group()
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)  # the router
@@ -93,29 +106,43 @@ class SparseMoeBlock(nn.Module):
             start += count
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out)  # one sum across ranks for every expert's partial output
 
 
 class FullWidthQKNormAttention(LlamaAttention):
     """OLMoE's attention: one RMSNorm over the whole of q (all heads) and one over the whole of k,
-    before the heads are split, where Qwen3 normalises each head."""
+    before the heads are split, where Qwen3 normalises each head. Under tensor parallelism each
+    rank holds its heads' part of the norms' weights; the mean square is over all heads."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(dataclasses.replace(config, qk_norm=False))
         self.q_norm_full = RMSNorm(self.q_size, config.norm_eps)
         self.k_norm_full = RMSNorm(self.kv_size, config.norm_eps)
+        self.full_widths = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim)
+
+    def _norm_q_k(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tp.size == 1:
+            return self.q_norm_full(q.contiguous()), self.k_norm_full(k.contiguous())
+        # Each rank's sums of squares over its heads, summed across ranks: q's and k's in one all-reduce.
+        q32, k32 = q.float(), k.float()
+        sums = self.tp.all_reduce(torch.stack([q32.square().sum(-1), k32.square().sum(-1)], dim=-1))
+        scales = torch.rsqrt(sums / sums.new_tensor(self.full_widths) + self.q_norm_full.eps)
+        q = (q32 * scales[:, :1] * self.q_norm_full.weight.float()).to(q.dtype)
+        k = (k32 * scales[:, 1:] * self.k_norm_full.weight.float()).to(k.dtype)
+        return q, k
 
     def forward(
         self, hidden: torch.Tensor, rotations: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm_full(q.contiguous()).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_norm_full(k.contiguous()).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self._norm_q_k(q, k)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, rotations), apply_rotary(k, rotations)
         out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
 
 
 # Checkpoint spellings -> ours ("mlp.experts.{e}.{gate,up,down}_proj", "mlp.gate").
@@ -175,17 +202,12 @@ class MoeForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig) -> None:
         if config.moe is None:
             raise ModelLoadError("a mixture-of-experts model needs its expert configuration (ModelConfig.moe)")
-        if get_tp_group().size > 1:
-            raise ModelLoadError(
-                "tensor parallelism is not supported for mixture-of-experts models "
-                f"({config.name or 'this model'}); run it with --tensor-parallel-size 1"
-            )
         super().__init__(config)
         for index, layer in enumerate(self.model.layers):
             if config.qk_norm_full:
                 layer.self_attn = FullWidthQKNormAttention(config)
             if index in config.moe.dense_layers:
-                layer.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+                layer.mlp = GatedMLP(config.hidden_size, config.intermediate_size, reduce=True)
             else:
                 layer.mlp = SparseMoeBlock(config)
 
@@ -197,9 +219,18 @@ class MoeForCausalLM(LlamaForCausalLM):
         self, weights: Iterable[tuple[str, torch.Tensor]], on_module_loaded: ModuleLoaded | None = None
     ) -> None:
         """Hugging Face-named tensors (one per expert, see `_canonical_names`), with q/k/v and
-        every gate/up pair fused and q/k rows (and q/k norms) in the interleaved rotary layout."""
+        every gate/up pair fused and q/k rows (and q/k norms) in the interleaved rotary layout;
+        with tensor parallelism, only this rank's slice of each (as LlamaForCausalLM's)."""
         config = self.config
         attn = self.model.layers[0].self_attn
+        heads = {  # attention module -> (dim, start, size) of this rank's part
+            "q_proj": (0, attn.q_start, attn.q_size),
+            "k_proj": (0, attn.kv_start, attn.kv_size),
+            "v_proj": (0, attn.kv_start, attn.kv_size),
+            "o_proj": (1, attn.q_start, attn.q_size),
+        }
+        if config.qk_norm_full:  # OLMoE's norms span all heads: this rank's heads' part
+            heads |= {"q_norm": (0, attn.q_start, attn.q_size), "k_norm": (0, attn.kv_start, attn.kv_size)}
         loader = WeightLoader(self, on_module_loaded)
         for name, tensor in _canonical_names(weights):
             if name.endswith("rotary_emb.inv_freq"):
@@ -214,18 +245,26 @@ class MoeForCausalLM(LlamaForCausalLM):
                 tensor = interleave_rotary_rows(tensor, config.num_kv_heads)
             elif module in ("q_norm", "k_norm"):
                 # Per head (Qwen3-MoE) or over all heads (OLMoE): the same reordering per head.
-                heads = 1 if not config.qk_norm_full else config.num_heads if module == "q_norm" else config.num_kv_heads
-                tensor = interleave_rotary_rows(tensor, heads)
+                count = 1 if not config.qk_norm_full else config.num_heads if module == "q_norm" else config.num_kv_heads
+                tensor = interleave_rotary_rows(tensor, count)
                 if config.qk_norm_full:
                     parts[-2] = f"{module}_full"
             elif name in ("model.embed_tokens.weight", "lm_head.weight"):
                 tensor = self.vocab.of(tensor)
+            owner = None
+            if module in heads:
+                dim, start, size = heads[module]
+                # A 1-D tensor here is a q/k/v bias (Qwen2-MoE) or a norm: cut like its rows.
+                tensor = take_shard(tensor, dim if tensor.dim() == 2 else 0, start, size)
+            elif module in ("gate_proj", "up_proj", "down_proj"):  # an expert's, the shared one's, a dense MLP's
+                owner = self.get_submodule(".".join(parts[:-2]))
+                dim = 1 if module == "down_proj" else 0
+                tensor = take_shard(tensor, dim, owner.start, owner.intermediate_size)
             if module in ("q_proj", "k_proj", "v_proj"):
                 first = {"q_proj": 0, "k_proj": attn.q_size, "v_proj": attn.q_size + attn.kv_size}[module]
                 parts[-2] = "qkv_proj"
                 loader.load_rows(".".join(parts), tensor, first)
             elif module in ("gate_proj", "up_proj"):
-                owner = self.get_submodule(".".join(parts[:-2]))
                 parts[-2] = "gate_up_proj"
                 loader.load_rows(".".join(parts), tensor, 0 if module == "gate_proj" else owner.intermediate_size)
             else:
