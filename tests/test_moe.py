@@ -1,7 +1,8 @@
 """Mixture-of-experts models (models/moe.py): tiny random Qwen3-MoE, Qwen2-MoE (shared expert),
 OLMoE and Mixtral built by transformers' own classes, saved as Hugging Face directories and converted
 to GGUF by llama.cpp's own converter; roseinfer's greedy tokens equal transformers' float32 ones
-and its logits are within float32 tolerance, from both files."""
+and its logits are within float32 tolerance, from both files; with chunked prefill, preemption and
+prefix caching; and on two tensor-parallel ranks as on one."""
 
 from pathlib import Path
 
@@ -32,6 +33,10 @@ def _config(kind: str, vocab: int):
         return transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
             intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
             norm_topk_prob=True, head_dim=16, rope_theta=1000000.0, **common)
+    if kind == "qwen3_moe_dense":  # its second layer a dense MLP (mlp_only_layers)
+        model_class, config = _config("qwen3_moe", vocab)
+        config.mlp_only_layers = [1]
+        return model_class, config
     if kind == "qwen2_moe":  # a shared expert behind a sigmoid gate; top-k weights not renormalised
         return transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
             # Expert widths of two Q8_0 blocks: two ranks each take whole blocks of every down projection.
@@ -48,9 +53,9 @@ def _config(kind: str, vocab: int):
 
 class TinyMoe:
     """A tiny random model of one kind: its transformers reference, HF directory and GGUF file
-    (float32, or Q8_0 blocks)."""
+    (float32, or Q8_0 blocks; none where `outtype` is None)."""
 
-    def __init__(self, kind: str, root: Path, outtype: str = "f32") -> None:
+    def __init__(self, kind: str, root: Path, outtype: str | None = "f32") -> None:
         self.hf_dir = root / kind
         vocab = write_default_tokenizer(self.hf_dir)
         model_class, config = _config(kind, vocab)
@@ -58,7 +63,7 @@ class TinyMoe:
         torch.manual_seed(0)
         self.reference = model_class(config).eval()
         self.reference.save_pretrained(self.hf_dir)
-        self.gguf = convert_hf_to_gguf(self.hf_dir, root / f"{kind}-{outtype}.gguf", outtype)
+        self.gguf = outtype and convert_hf_to_gguf(self.hf_dir, root / f"{kind}-{outtype}.gguf", outtype)
         generator = torch.Generator().manual_seed(1)
         self.prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
         self.expected = [self._greedy(prompt) for prompt in self.prompts]
@@ -72,8 +77,9 @@ class TinyMoe:
         return ids[0, len(prompt):].tolist()
 
 
-# Each conversion takes a while on a loaded machine: one file per kind, Qwen2-MoE's in Q8_0 blocks.
-OUTTYPES = {"qwen3_moe": "f32", "olmoe": "f32", "mixtral": "f32", "qwen2_moe": "q8_0"}
+# Each conversion takes a while on a loaded machine: one file per kind, Qwen2-MoE's in Q8_0 blocks
+# (the model with a dense layer: its HF directory only).
+OUTTYPES = {"qwen3_moe": "f32", "olmoe": "f32", "mixtral": "f32", "qwen2_moe": "q8_0", "qwen3_moe_dense": None}
 _BUILT: dict[str, TinyMoe] = {}
 
 
@@ -163,9 +169,10 @@ def test_prefix_caching_gives_the_same_tokens(tmp_path_factory):
 
 
 # Qwen2-MoE: a shared expert and q/k/v biases, from its HF directory and from Q8_0 blocks (each rank
-# a column slice of every expert's down blocks); OLMoE: q/k norms over the heads of both ranks.
+# a column slice of every expert's down blocks); OLMoE: q/k norms over the heads of both ranks;
+# Qwen3-MoE with a dense layer between MoE ones.
 @pytest.mark.parametrize(("kind", "source"), [("qwen2_moe", "hf"), ("qwen2_moe", "gguf"),
-                                              ("olmoe", "hf"), ("olmoe", "gguf")])
+                                              ("olmoe", "hf"), ("olmoe", "gguf"), ("qwen3_moe_dense", "hf")])
 def test_two_ranks_match_one(tmp_path_factory, kind, source):
     """Every sampled row's logits (prefill in chunks mixed with decodes) within 1e-4 of one rank's,
     the same greedy tokens, and after preemption in a pool too small for all four prompts too."""
