@@ -6,7 +6,7 @@ some prompts, saved as Hugging Face directories and converted to GGUF by llama.c
 (tests/hf_to_gguf.py). Logits of prefill (whole and chunked) and decode steps within float32
 tolerance, greedy tokens identical for 32 tokens, through both the C++ decode kernel and the
 PyTorch path; prefix caching and preemption on Gemma; Mistral and Qwen2 sliding windows past the
-window.
+window; Gemma 2, Gemma 3 and Mistral on two tensor-parallel ranks as on one.
 """
 
 from __future__ import annotations

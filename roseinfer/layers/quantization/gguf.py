@@ -113,7 +113,7 @@ class BlockTensor:
             raise ModelLoadError(
                 f"a shard of columns {start}:{start + length} cuts through {self.qtype.name} blocks of "
                 f"{self.block_values} values: choose a tensor-parallel size that splits the layer at block "
-                "boundaries, or expand the weights (--quantization none)"
+                "boundaries (the blocks are sliced as the file holds them, whatever --quantization says)"
             )
         first, count = start // self.block_values * self.block_bytes, length // self.block_values * self.block_bytes
         return replace(self, data=self.data.narrow(1, first, count), columns=length)
