@@ -10,10 +10,10 @@ import pytest
 import torch
 from hf_to_gguf import convert_hf_to_gguf, write_default_tokenizer
 from support import EXACT, compare_logits_step_by_step
+from test_fused_decode import decode_logits_both_ways
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.errors import InvalidRequestError
-from roseinfer.models.fused_decode import fused_decoder_for
 from roseinfer.models.moe import SparseMoeBlock
 
 TOKENS = 32
@@ -109,10 +109,24 @@ def test_greedy_tokens_and_logits_match_transformers(tiny_moe, source):
     assert _greedy(llm, tiny_moe.prompts) == tiny_moe.expected
     worst = compare_logits_step_by_step(llm.engine, tiny_moe.reference, tiny_moe.prompts, 3)
     assert worst < TOLERANCE, f"max |logit difference| {worst}"
-    # The C++ Llama decode step has no router: it must not take these models over.
-    runner = llm.engine.runner
-    assert model.fused_decode_spec() is None
-    assert fused_decoder_for(model, runner.dtype, runner.device) is None
+    # The decode steps above ran in the fused C++ step, router and experts included.
+    assert llm.engine.runner.fused_decoder is not None
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe"])
+def test_the_fused_decode_step_equals_the_op_by_op_forward(kind, tmp_path_factory):
+    """The C++ step's router, top-k, experts (and Qwen2-MoE's shared expert, OLMoE's q/k norms over
+    all heads) against SparseMoeBlock's forward, at every decode step of a batch whose rows share
+    experts: on float32 weights (panels) and on 8-bit blocks (Qwen2-MoE's own Q8_0 file, int8)."""
+    moe = built(kind, tmp_path_factory)
+    prompts = [[5, 9, 30, 31, 200], [7] * 20, list(range(40, 77)), [11, 12]]
+    exact = LLM(str(moe.hf_dir), num_kv_blocks=64, **EXACT)
+    worst, _ = decode_logits_both_ways(exact.engine, prompts, steps=6)
+    assert worst < 1e-4, worst
+    blocks = LLM(str(moe.gguf), num_kv_blocks=64) if kind == "qwen2_moe" else \
+        LLM(str(moe.hf_dir), num_kv_blocks=64, quantization="int8")
+    worst, worst_kl = decode_logits_both_ways(blocks.engine, prompts, steps=6)
+    assert worst_kl < 1e-3, (worst, worst_kl)
 
 
 def test_shared_expert_from_hf_and_from_q8_0_blocks(tmp_path_factory):

@@ -4,7 +4,8 @@ from the model's own description of itself.
 Run op by op, a decode step is ~400 PyTorch operations, and at small batches their dispatch costs
 as much as their arithmetic (a 30-layer model: ~5 ms a token). A model class that can be run this
 way says so with `fused_decode_spec()`, returning a `DecodeModelSpec`: its layers, one
-`DecodeLayerSpec` each (weights, norms, attention parameters, rotary table, activation), built
+`DecodeLayerSpec` each (weights, norms, attention parameters, rotary table, activation, or a
+mixture of experts' router and experts in place of the MLP: `DecodeExpertsSpec`), built
 from the same modules its forward runs, so the two cannot drift. This module builds the C++ step
 from that description only (never from the attributes of an arbitrary class) and refuses, by
 name and logged once, what the C++ step does not compute (a GeGLU, a soft-cap, extra norms, a
@@ -43,6 +44,36 @@ LinearSpec = tuple[list[torch.Tensor], list[int], torch.Tensor | None, bool]
 
 
 @dataclass(frozen=True)
+class DecodeExpertsSpec:
+    """A mixture-of-experts MLP (models/moe.py): softmax over the router's logits in float32, each
+    row's `top_k` experts weighted by their probabilities (renormalised to sum to 1 where
+    `normalize_top_k`), each expert a SwiGLU FFN; Qwen2-MoE adds a shared expert times the sigmoid
+    of its gate."""
+
+    router: nn.Module  # [experts, hidden]
+    gate_up_projs: tuple[nn.Module, ...]  # per expert: gate rows, then up rows
+    down_projs: tuple[nn.Module, ...]
+    top_k: int
+    normalize_top_k: bool
+    intermediate_size: int  # each expert's
+    shared_gate_up_proj: nn.Module | None = None
+    shared_down_proj: nn.Module | None = None
+    shared_gate: nn.Module | None = None  # [1, hidden]
+    shared_intermediate_size: int = 0
+
+    def linears(self) -> dict[str, nn.Module]:
+        """Every linear layer, by a name for messages."""
+        named = {"router": self.router}
+        for index, (gate_up, down) in enumerate(zip(self.gate_up_projs, self.down_projs, strict=True)):
+            named[f"expert {index} gate_up_proj"] = gate_up
+            named[f"expert {index} down_proj"] = down
+        if self.shared_intermediate_size:
+            named |= {"shared_expert.gate_up_proj": self.shared_gate_up_proj,
+                      "shared_expert.down_proj": self.shared_down_proj, "shared_expert_gate": self.shared_gate}
+        return named
+
+
+@dataclass(frozen=True)
 class DecodeLayerSpec:
     """One pre-norm decoder layer, as its model computes it (RMSNorms throughout):
 
@@ -50,23 +81,27 @@ class DecodeLayerSpec:
         h = x + attention_out_norm(a)                   (no out norm: x + a)
         g, u = gate_up_proj(mlp_norm(h))
         y = h + mlp_out_norm(down_proj(activation(g) * u))
+
+    or, with `experts`, y = h + experts(mlp_norm(h)) (no gate_up_proj or down_proj).
     """
 
     input_norm: torch.Tensor  # RMSNorm weights, as the model applies them
     qkv_proj: nn.Module  # q, k and v rows in one matrix (q/k rows in the rotary layout)
     o_proj: nn.Module
     mlp_norm: torch.Tensor
-    gate_up_proj: nn.Module  # gate rows, then up rows
-    down_proj: nn.Module
+    gate_up_proj: nn.Module | None  # gate rows, then up rows (None: experts)
+    down_proj: nn.Module | None
     attention: AttentionLayerParams  # heads, scale, sliding window, soft-cap
     rotary: RotaryEmbedding  # the table this layer's q and k rotate with
     norm_eps: float  # of every RMSNorm of the layer
-    intermediate_size: int
+    intermediate_size: int  # of gate_up_proj / down_proj
     activation: str = "silu"  # of the gate: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
     q_norm: torch.Tensor | None = None  # per-head RMSNorm of q and k (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None
     attention_out_norm: torch.Tensor | None = None  # a norm of the attention's output (Gemma)
     mlp_out_norm: torch.Tensor | None = None  # a norm of the MLP's output (Gemma)
+    qk_norm_over_all_heads: bool = False  # OLMoE: q_norm spans all of q (k_norm all of k), not a head
+    experts: DecodeExpertsSpec | None = None  # a mixture-of-experts MLP in place of gate_up/down
 
 
 @dataclass(frozen=True)
@@ -105,6 +140,7 @@ def unsupported(spec: DecodeModelSpec, dtype: torch.dtype) -> str | None:
     if spec.final_logit_softcap:
         return "a soft-cap of the final logits"
     first = spec.layers[0]
+    dense = [layer for layer in spec.layers if layer.experts is None]
     for index, layer in enumerate(spec.layers):
         where = f"layer {index}: "
         attention = layer.attention
@@ -123,16 +159,22 @@ def unsupported(spec: DecodeModelSpec, dtype: torch.dtype) -> str | None:
             return where + "its rotary table differs from layer 0's"
         if attention.sliding_window != first.attention.sliding_window:
             return where + "its sliding window differs from layer 0's"
-        if (attention.num_heads, attention.num_kv_heads, attention.head_dim, layer.intermediate_size) != (
+        if (attention.num_heads, attention.num_kv_heads, attention.head_dim) != (
             first.attention.num_heads, first.attention.num_kv_heads, first.attention.head_dim,
-            first.intermediate_size,
         ):
             return where + "its shapes differ from layer 0's"
+        if layer.experts is None and layer.intermediate_size != dense[0].intermediate_size:
+            return where + "its MLP's width differs from the first dense MLP's"
         if layer.norm_eps != spec.norm_eps:
             return where + "its norms' eps differs from the final norm's"
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            if not _callable(getattr(layer, name), dtype):
-                return where + f"{name} is a {type(getattr(layer, name)).__name__} the C++ step cannot call for {dtype}"
+        linears = {name: getattr(layer, name) for name in ("qkv_proj", "o_proj")}
+        if layer.experts is None:
+            linears |= {name: getattr(layer, name) for name in ("gate_up_proj", "down_proj")}
+        else:
+            linears |= layer.experts.linears()
+        for name, linear in linears.items():
+            if not _callable(linear, dtype):
+                return where + f"{name} is a {type(linear).__name__} the C++ step cannot call for {dtype}"
     if not _callable(spec.lm_head, dtype):
         return f"the LM head is a {type(spec.lm_head).__name__} the C++ step cannot call for {dtype}"
     return None
@@ -170,17 +212,38 @@ def fused_decoder_for(model: nn.Module, dtype: torch.dtype, device: torch.device
         _refuse(model, reason)
         return None
     first = spec.layers[0]
+    no_linear: LinearSpec = ([], [], None, False)  # a layer whose MLP is experts (set below)
     layers = [
         (layer.input_norm, layer.q_norm, layer.k_norm, layer.mlp_norm, _linear(layer.qkv_proj),
-         _linear(layer.o_proj), _linear(layer.gate_up_proj), _linear(layer.down_proj))
+         _linear(layer.o_proj), _linear(layer.gate_up_proj) if layer.experts is None else no_linear,
+         _linear(layer.down_proj) if layer.experts is None else no_linear)
         for layer in spec.layers
     ]
     attention = first.attention
-    return FusedDecoder(kernels.LlamaDecoder(
-        spec.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim, first.intermediate_size,
-        spec.lm_head.out_features, spec.norm_eps, spec.final_norm, _linear(spec.lm_head), layers,
-        attention.sliding_window or 0,
-    ), spec.embedding, first.rotary)
+    dense = [layer for layer in spec.layers if layer.experts is None]
+    decoder = kernels.LlamaDecoder(
+        spec.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim,
+        dense[0].intermediate_size if dense else 0, spec.lm_head.out_features, spec.norm_eps, spec.final_norm,
+        _linear(spec.lm_head), layers, attention.sliding_window or 0,
+    )
+    for index, layer in enumerate(spec.layers):
+        if layer.qk_norm_over_all_heads:
+            decoder.set_qk_norm_over_all_heads(index)
+        if layer.experts is not None:
+            _set_experts(decoder, index, layer.experts)
+    return FusedDecoder(decoder, spec.embedding, first.rotary)
+
+
+def _set_experts(decoder: Any, index: int, experts: DecodeExpertsSpec) -> None:
+    shared = None
+    if experts.shared_intermediate_size:
+        shared = (_linear(experts.shared_gate_up_proj), _linear(experts.shared_down_proj),
+                  _linear(experts.shared_gate), experts.shared_intermediate_size)
+    decoder.set_sparse_mlp(
+        index, _linear(experts.router), [_linear(m) for m in experts.gate_up_projs],
+        [_linear(m) for m in experts.down_projs], experts.top_k, experts.normalize_top_k,
+        experts.intermediate_size, shared,
+    )
 
 
 class FusedDecoder:

@@ -27,7 +27,7 @@ from roseinfer.layers.rotary import (
     interleave_rotary_rows,
     rope_frequencies,
 )
-from roseinfer.models.fused_decode import DecodeLayerSpec, DecodeModelSpec
+from roseinfer.models.fused_decode import DecodeExpertsSpec, DecodeLayerSpec, DecodeModelSpec
 from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
 
@@ -143,26 +143,30 @@ LLAMA_GGUF_GLOBAL_NAMES = {
 
 
 def decode_layer_spec(
-    layer: nn.Module, mlp_norm: RMSNorm, rotary: RotaryEmbedding, activation: str, **extra: torch.Tensor
+    layer: nn.Module, mlp_norm: RMSNorm, rotary: RotaryEmbedding, activation: str,
+    experts: DecodeExpertsSpec | None = None, **extra: torch.Tensor,
 ) -> DecodeLayerSpec:
     """One decoder layer of the Llama layout (input norm, fused qkv, o, optional q/k norms, fused
-    gate/up, down; Gemma's layers too) as the fused decode step reads it; `extra`: the spec's
-    optional fields (Gemma's norms after attention and FFN)."""
+    gate/up, down; Gemma's layers too) as the fused decode step reads it; `experts`: a
+    mixture-of-experts MLP in place of gate/up and down; `extra`: the spec's optional fields
+    (Gemma's norms after attention and FFN)."""
     attention = layer.self_attn
+    mlp = layer.mlp if experts is None else None
     return DecodeLayerSpec(
         input_norm=layer.input_layernorm.weight.detach(),
         qkv_proj=attention.qkv_proj,
         o_proj=attention.o_proj,
         mlp_norm=mlp_norm.weight.detach(),
-        gate_up_proj=layer.mlp.gate_up_proj,
-        down_proj=layer.mlp.down_proj,
+        gate_up_proj=mlp.gate_up_proj if mlp is not None else None,
+        down_proj=mlp.down_proj if mlp is not None else None,
         attention=attention.attn.params,
         rotary=rotary,
         norm_eps=layer.input_layernorm.eps,
-        intermediate_size=layer.mlp.intermediate_size,
+        intermediate_size=mlp.intermediate_size if mlp is not None else 0,
         activation=activation,
         q_norm=attention.q_norm.weight.detach() if attention.qk_norm else None,
         k_norm=attention.k_norm.weight.detach() if attention.qk_norm else None,
+        experts=experts,
         **extra,
     )
 

@@ -8,6 +8,9 @@ Each expert is its own pair of linear layers (fused gate/up, down), so the linea
 tensors are cut into one `BlockTensor` per expert and run in their own blocks, with no float copy.
 The tokens of a step are grouped by the expert they chose and each chosen expert runs one matrix
 product over its group, so a decode step reads only the weights of the experts its tokens chose.
+Decode steps run in the fused C++ step (models/fused_decode.py: `SparseMoeBlock.decode_spec`),
+which routes and groups the same way and, on GGUF blocks, runs all the chosen experts' products in
+one parallel region instead of one per expert.
 
 Under tensor parallelism (layers/parallel.py) every FFN is cut as the dense Llama MLP is: each
 rank holds its columns of every expert's (and the shared expert's) gate/up and the matching rows of
@@ -35,7 +38,14 @@ from roseinfer.layers.attention import AttentionMetadata
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.parallel import take_shard
 from roseinfer.layers.rotary import apply_rotary, interleave_rotary_rows
-from roseinfer.models.llama import LLAMA_GGUF_LAYER_NAMES, LlamaAttention, LlamaForCausalLM
+from roseinfer.models.fused_decode import DecodeExpertsSpec, DecodeModelSpec
+from roseinfer.models.llama import (
+    LLAMA_GGUF_LAYER_NAMES,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    decode_layer_spec,
+)
 from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
 
@@ -85,6 +95,22 @@ class SparseMoeBlock(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), chosen
+
+    def decode_spec(self) -> DecodeExpertsSpec:
+        """This block as the fused decode step computes it (models/fused_decode.py)."""
+        shared = self.shared_expert
+        return DecodeExpertsSpec(
+            router=self.gate,
+            gate_up_projs=tuple(expert.gate_up_proj for expert in self.experts),
+            down_projs=tuple(expert.down_proj for expert in self.experts),
+            top_k=self.top_k,
+            normalize_top_k=self.norm_topk_prob,
+            intermediate_size=self.experts[0].intermediate_size,
+            shared_gate_up_proj=shared.gate_up_proj if shared is not None else None,
+            shared_down_proj=shared.down_proj if shared is not None else None,
+            shared_gate=self.shared_expert_gate if shared is not None else None,
+            shared_intermediate_size=shared.intermediate_size if shared is not None else 0,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
@@ -211,9 +237,35 @@ class MoeForCausalLM(LlamaForCausalLM):
             else:
                 layer.mlp = SparseMoeBlock(config)
 
-    def fused_decode_spec(self) -> None:
-        """No fused decode step: its description has no router or experts (op by op)."""
-        return None
+    def fused_decode_spec(self) -> DecodeModelSpec | None:
+        """Llama's description with each sparse layer's router and experts (and OLMoE's q/k norms
+        over all heads); None where a subclass changed the forward, the logits or a layer's class."""
+        llama = LlamaForCausalLM
+        if type(self).forward is not llama.forward or type(self).compute_logits is not llama.compute_logits:
+            return None
+        layers = []
+        for layer in self.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            if type(layer) is not LlamaDecoderLayer or type(attention) not in (LlamaAttention, FullWidthQKNormAttention):
+                return None
+            if type(mlp) not in (GatedMLP, SparseMoeBlock):
+                return None
+            experts = mlp.decode_spec() if isinstance(mlp, SparseMoeBlock) else None
+            spec = decode_layer_spec(layer, layer.post_attention_layernorm, self.rotary, "silu", experts=experts)
+            if isinstance(attention, FullWidthQKNormAttention):
+                spec = dataclasses.replace(
+                    spec, q_norm=attention.q_norm_full.weight.detach(), k_norm=attention.k_norm_full.weight.detach(),
+                    qk_norm_over_all_heads=True,
+                )
+            layers.append(spec)
+        return DecodeModelSpec(
+            embedding=self.model.embed_tokens,
+            layers=tuple(layers),
+            final_norm=self.model.norm.weight.detach(),
+            norm_eps=self.model.norm.eps,
+            lm_head=self.lm_head,
+            hidden_size=self.config.hidden_size,
+        )
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], on_module_loaded: ModuleLoaded | None = None

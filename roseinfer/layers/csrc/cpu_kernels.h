@@ -206,6 +206,20 @@ constexpr int64_t kPanelWidth = 48;  // output columns per panel (panel_linear_c
 // large ones (builds with AVX512-BF16), as llama.cpp trades exactness for speed.
 void gguf_matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int64_t ldo,
                  bool exact);
+// One product of gguf_matmul's: out [M, N] (rows ldo apart) = x [M, K] @ w.T.
+struct GgufProduct {
+  int type;
+  const float* x;
+  int64_t M, K;
+  const uint8_t* w;
+  int64_t N;
+  float* out;
+  int64_t ldo;
+};
+// Several independent products (a mixture of experts' chosen experts) in one parallel region, each
+// computed as gguf_matmul computes it: the threads share all their rows, where one call per
+// product would start and join the threads for each. (Large or exact products: one call each.)
+void gguf_matmul_group(const std::vector<GgufProduct>& products, bool exact);
 // Fails with a message unless `part` is a packed weight of kernel type `type` with rows of K values.
 void gguf_check(const torch::Tensor& part, int64_t type, int64_t K);
 

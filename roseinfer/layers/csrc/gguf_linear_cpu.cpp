@@ -210,36 +210,42 @@ void over_rows(int64_t M, int64_t n0, int64_t n1, float* out, int64_t ldo, F&& f
 // ------------------------------------------------------------------------------------------------
 
 #if ROSEINFER_GGUF_VNNI
+// Weight rows [n0, n1) (whole groups of rows_together()) against every row of the quantized
+// activations a: out[m * ldo + n].
+template <typename Tr>
+void dot_rows(const Activations& a, int64_t M, int64_t units, const uint8_t* w, int64_t n0, int64_t n1, float* out,
+              int64_t ldo) {
+  if constexpr (rows_together<Tr>() > 1) {
+    // Groups of 8 weight rows; tiles of 4, 2, 1 rows of x each.
+    const int64_t bytes = units * Tr::kBytes;
+    float results[4][kRows];
+    for (int64_t g = n0 / kRows; g < n1 / kRows; ++g) {
+      auto tile = [&](auto size, int64_t m) {
+        constexpr int T = decltype(size)::value;
+        Tr::template dot8<T>(w + g * bytes, units, a, m, results);
+        for (int t = 0; t < T; ++t) std::copy_n(results[t], kRows, out + (m + t) * ldo + g * kRows);
+      };
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{}, m);
+      for (; m + 2 <= M; m += 2) tile(std::integral_constant<int, 2>{}, m);
+      for (; m < M; ++m) tile(std::integral_constant<int, 1>{}, m);
+    }
+  } else {
+    const int64_t bytes = units * Tr::kBytes;
+    over_rows(M, n0, n1, out, ldo, [&](auto tile, int64_t m, int64_t n, float* results) {
+      Tr::template dot<decltype(tile)::value>(w + n * bytes, units, a, m, results);
+    });
+  }
+}
+
 template <typename Tr>
 void dot_matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int64_t ldo) {
   thread_local ActivationBuffers buffers;
   const Activations a = quantize_activations<Tr>(x, M, K, buffers);  // read by the pool's threads
-  const int64_t units = units_of<Tr>(K);
-  if constexpr (rows_together<Tr>() > 1) {
-    // Groups of 8 weight rows; tiles of 4, 2, 1 rows of x each.
-    const int64_t groups = N / kRows, bytes = units * Tr::kBytes;
-    at::parallel_for(0, groups, std::max<int64_t>(1, grain(N) / kRows), [&](int64_t g0, int64_t g1) {
-      float results[4][kRows];
-      for (int64_t g = g0; g < g1; ++g) {
-        auto tile = [&](auto size, int64_t m) {
-          constexpr int T = decltype(size)::value;
-          Tr::template dot8<T>(w + g * bytes, units, a, m, results);
-          for (int t = 0; t < T; ++t) std::copy_n(results[t], kRows, out + (m + t) * ldo + g * kRows);
-        };
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{}, m);
-        for (; m + 2 <= M; m += 2) tile(std::integral_constant<int, 2>{}, m);
-        for (; m < M; ++m) tile(std::integral_constant<int, 1>{}, m);
-      }
-    });
-  } else {
-    const int64_t bytes = units * Tr::kBytes;
-    at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
-      over_rows(M, n0, n1, out, ldo, [&](auto tile, int64_t m, int64_t n, float* results) {
-        Tr::template dot<decltype(tile)::value>(w + n * bytes, units, a, m, results);
-      });
-    });
-  }
+  const int64_t units = units_of<Tr>(K), together = rows_together<Tr>();
+  at::parallel_for(0, N / together, std::max<int64_t>(1, grain(N) / together), [&](int64_t g0, int64_t g1) {
+    dot_rows<Tr>(a, M, units, w, g0 * together, g1 * together, out, ldo);
+  });
 }
 #endif
 
@@ -429,6 +435,44 @@ namespace roseinfer {
 void gguf_matmul(int type, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int64_t ldo,
                  bool exact) {
   dispatch(type, [&](auto traits) { matmul<decltype(traits)>(x, M, K, w, N, out, ldo, exact); });
+}
+
+void gguf_matmul_group(const std::vector<GgufProduct>& products, bool exact) {
+#if ROSEINFER_GGUF_VNNI
+  const bool dots = !exact && std::all_of(products.begin(), products.end(),
+                                          [](const GgufProduct& p) { return p.M <= kDotRows; });
+  if (dots) {
+    // Rows per task: a multiple of every layout's rows_together(); ~2 tasks a thread per 1k rows.
+    constexpr int64_t kTaskRows = 64;
+    thread_local std::vector<ActivationBuffers> buffers;
+    if (buffers.size() < products.size()) buffers.resize(products.size());
+    std::vector<Activations> activations(products.size());
+    struct Task {
+      size_t product;
+      int64_t n0, n1;
+    };
+    std::vector<Task> tasks;
+    for (size_t i = 0; i < products.size(); ++i) {
+      const GgufProduct& p = products[i];
+      dispatch(p.type, [&](auto traits) {
+        activations[i] = quantize_activations<decltype(traits)>(p.x, p.M, p.K, buffers[i]);
+      });
+      for (int64_t n0 = 0; n0 < p.N; n0 += kTaskRows) tasks.push_back({i, n0, std::min(p.N, n0 + kTaskRows)});
+    }
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const Task& task = tasks[t];
+        const GgufProduct& p = products[task.product];
+        dispatch(p.type, [&](auto traits) {
+          using Tr = decltype(traits);
+          dot_rows<Tr>(activations[task.product], p.M, units_of<Tr>(p.K), p.w, task.n0, task.n1, p.out, p.ldo);
+        });
+      }
+    });
+    return;
+  }
+#endif
+  for (const GgufProduct& p : products) gguf_matmul(p.type, p.x, p.M, p.K, p.w, p.N, p.out, p.ldo, exact);
 }
 
 void gguf_check(const torch::Tensor& part, int64_t type, int64_t K) {

@@ -18,11 +18,13 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -79,6 +81,21 @@ struct DecodeLinear {
     if (bias_) bias = bias_->contiguous().to(torch::kFloat);
   }
 
+  // Whether the layer is GGUF blocks with no bias: products gguf_matmul_group can run.
+  bool plain_blocks() const { return !panels.defined() && !bias.defined(); }
+
+  // The products of out [M, N] (rows ldo apart) = x [M, K] @ w.T, one per part, appended to
+  // `products` (plain_blocks() layers only).
+  void add_products(const float* x, int64_t M, float* out, int64_t ldo,
+                    std::vector<roseinfer::GgufProduct>& products) const {
+    int64_t first = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      products.push_back({static_cast<int>(types[i]), x, M, K, parts[i].data_ptr<uint8_t>(), parts[i].size(0),
+                          out + first, ldo});
+      first += parts[i].size(0);
+    }
+  }
+
   // out [M, N] = x [M, K] @ w.T (+ bias). scratch: float32 buffers for a bfloat16 model's blocks.
   template <typename T>
   void apply(const T* x, int64_t M, T* out, std::vector<float>& x_scratch, std::vector<float>& out_scratch) const {
@@ -114,10 +131,65 @@ struct DecodeLinear {
   }
 };
 
+// A mixture-of-experts MLP (models/moe.py: SparseMoeBlock): a router over the experts, each row's
+// top-k experts (their softmax probabilities, renormalised to sum to 1 where the model does), each
+// a SwiGLU FFN; plus, for Qwen2-MoE, a shared expert behind a sigmoid gate.
+struct SparseMlp {
+  bool grouped = false;  // every expert plain GGUF blocks, alike in exactness: one product group a step
+  DecodeLinear router;                     // [experts, hidden]
+  std::vector<DecodeLinear> gate_up, down;  // per expert: [2 * intermediate, hidden], [hidden, intermediate]
+  int64_t top_k = 0, intermediate = 0;
+  bool normalize = false;
+  DecodeLinear shared_gate_up, shared_down, shared_gate;  // shared_gate: [1, hidden]
+  int64_t shared_intermediate = 0;                         // 0: no shared expert
+};
+
 struct Layer {
   torch::Tensor attn_norm, q_norm, k_norm, mlp_norm;  // q_norm, k_norm: Qwen3 only
-  DecodeLinear qkv, o, gate_up, down;
+  bool qk_norm_over_all_heads = false;  // OLMoE: one norm over all of q (and of k), not one per head
+  DecodeLinear qkv, o, gate_up, down;   // gate_up, down: a dense MLP's, or undefined (experts)
+  std::optional<SparseMlp> experts;
 };
+
+// Each row's chosen experts and their weights (as the activations' dtype rounds them): softmax over
+// every expert's router logit in float32, the top k (ties to the lower index), renormalised where
+// the model does. -> per expert, its (row, weight) pairs in row order.
+template <typename T>
+std::vector<std::vector<std::pair<int64_t, T>>> route(const T* logits, int64_t B, int64_t E, int64_t top_k,
+                                                     bool normalize) {
+  std::vector<std::vector<std::pair<int64_t, T>>> rows_of(E);
+  std::vector<float> probs(E);
+  std::vector<int64_t> order(E);
+  for (int64_t b = 0; b < B; ++b) {
+    const T* row = logits + b * E;
+    float top = roseinfer::load_float(row), sum = 0.0f;  // (-ffast-math: no infinities)
+    for (int64_t e = 1; e < E; ++e) top = std::max(top, roseinfer::load_float(row + e));
+    for (int64_t e = 0; e < E; ++e) sum += probs[e] = std::exp(roseinfer::load_float(row + e) - top);
+    for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+    for (int64_t e = 0; e < E; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [&](int64_t a, int64_t c) { return probs[a] > probs[c] || (probs[a] == probs[c] && a < c); });
+    float chosen = 0.0f;
+    for (int64_t k = 0; k < top_k; ++k) chosen += probs[order[k]];
+    for (int64_t k = 0; k < top_k; ++k) {
+      T weight;
+      roseinfer::store_float(&weight, normalize ? probs[order[k]] / chosen : probs[order[k]]);
+      rows_of[order[k]].emplace_back(b, weight);
+    }
+  }
+  return rows_of;
+}
+
+// out [rows, hidden] += weight * y, each product and sum rounded to T as the op-by-op path's
+// `y * weight` and index_add_ round them.
+template <typename T>
+void add_weighted(T* out, const T* y, float weight, int64_t hidden) {
+  for (int64_t h = 0; h < hidden; ++h) {
+    T product;
+    roseinfer::store_float(&product, roseinfer::load_float(y + h) * weight);
+    roseinfer::store_float(out + h, roseinfer::load_float(out + h) + roseinfer::load_float(&product));
+  }
+}
 
 }  // namespace
 
@@ -149,10 +221,51 @@ class LlamaDecoder {
       layer.mlp_norm = norm(mlp_norm);
       layer.qkv = DecodeLinear(qkv, qkv_size, hidden, dtype_, "qkv_proj");
       layer.o = DecodeLinear(o, hidden, heads * head_dim, dtype_, "o_proj");
-      layer.gate_up = DecodeLinear(gate_up, 2 * intermediate, hidden, dtype_, "gate_up_proj");
-      layer.down = DecodeLinear(down, hidden, intermediate, dtype_, "down_proj");
+      if (!std::get<0>(gate_up).empty()) {  // else a sparse MLP, given by set_sparse_mlp
+        layer.gate_up = DecodeLinear(gate_up, 2 * intermediate, hidden, dtype_, "gate_up_proj");
+        layer.down = DecodeLinear(down, hidden, intermediate, dtype_, "down_proj");
+      }
       layers_.push_back(std::move(layer));
     }
+  }
+
+  // Layer `index`'s MLP is a mixture of experts (see SparseMlp); shared: (gate_up, down, gate,
+  // intermediate) of a shared expert.
+  using SharedExpertSpec = std::tuple<LinearSpec, LinearSpec, LinearSpec, int64_t>;
+  void set_sparse_mlp(int64_t index, LinearSpec router, std::vector<LinearSpec> gate_ups, std::vector<LinearSpec> downs,
+                      int64_t top_k, bool normalize, int64_t intermediate, std::optional<SharedExpertSpec> shared) {
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "no layer ", index);
+    const int64_t experts = static_cast<int64_t>(gate_ups.size());
+    TORCH_CHECK(experts > 0 && downs.size() == gate_ups.size(), "one gate_up and one down per expert");
+    TORCH_CHECK(top_k > 0 && top_k <= experts, "top_k must be in 1 .. ", experts, ", not ", top_k);
+    SparseMlp mlp;
+    mlp.router = DecodeLinear(router, experts, hidden_, dtype_, "the router");
+    for (int64_t e = 0; e < experts; ++e) {
+      mlp.gate_up.emplace_back(gate_ups[e], 2 * intermediate, hidden_, dtype_, "an expert's gate_up_proj");
+      mlp.down.emplace_back(downs[e], hidden_, intermediate, dtype_, "an expert's down_proj");
+    }
+    mlp.grouped = std::all_of(mlp.gate_up.begin(), mlp.gate_up.end(), [&](const DecodeLinear& l) {
+      return l.plain_blocks() && l.exact == mlp.gate_up[0].exact;
+    }) && std::all_of(mlp.down.begin(), mlp.down.end(), [&](const DecodeLinear& l) {
+      return l.plain_blocks() && l.exact == mlp.gate_up[0].exact;
+    });
+    mlp.top_k = top_k;
+    mlp.normalize = normalize;
+    mlp.intermediate = intermediate;
+    if (shared) {
+      const auto& [gate_up, down, gate, width] = *shared;
+      mlp.shared_gate_up = DecodeLinear(gate_up, 2 * width, hidden_, dtype_, "the shared expert's gate_up_proj");
+      mlp.shared_down = DecodeLinear(down, hidden_, width, dtype_, "the shared expert's down_proj");
+      mlp.shared_gate = DecodeLinear(gate, 1, hidden_, dtype_, "the shared expert's gate");
+      mlp.shared_intermediate = width;
+    }
+    layers_[index].experts = std::move(mlp);
+  }
+
+  void set_qk_norm_over_all_heads(int64_t index) {
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "no layer ", index);
+    TORCH_CHECK(layers_[index].q_norm.defined(), "layer ", index, " has no q/k norms");
+    layers_[index].qk_norm_over_all_heads = true;
   }
 
   // embedded [B, hidden] of the activations' dtype: the rows' token embeddings; slot_mapping,
@@ -164,6 +277,8 @@ class LlamaDecoder {
   torch::Tensor forward(torch::Tensor embedded, torch::Tensor rotations, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor context_lens, std::vector<torch::Tensor> kv_caches) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV pool per layer");
+    for (size_t l = 0; l < layers_.size(); ++l)
+      TORCH_CHECK(layers_[l].experts || layers_[l].gate_up.N, "layer ", l, " has no MLP");
     embedded = embedded.contiguous();
     TORCH_CHECK(embedded.scalar_type() == dtype_ && embedded.dim() == 2 && embedded.size(1) == hidden_,
                 "embedded: [B, hidden] of the model's dtype (", dtype_, ")");
@@ -206,9 +321,12 @@ class LlamaDecoder {
           T* k = q + q_size;
           if (layer.q_norm.defined()) {  // norm_rows does not work in place: through a copy
             std::memcpy(copy.data(), q, q_size * sizeof(T));
-            roseinfer::norm_rows<T>(copy.data(), layer.q_norm.data_ptr<T>(), q, 0, heads_, D, eps_);
+            const bool whole = layer.qk_norm_over_all_heads;  // one row of all heads, or a row per head
+            roseinfer::norm_rows<T>(copy.data(), layer.q_norm.data_ptr<T>(), q, 0, whole ? 1 : heads_,
+                                    whole ? q_size : D, eps_);
             std::memcpy(copy.data(), k, kv_size * sizeof(T));
-            roseinfer::norm_rows<T>(copy.data(), layer.k_norm.data_ptr<T>(), k, 0, kv_heads_, D, eps_);
+            roseinfer::norm_rows<T>(copy.data(), layer.k_norm.data_ptr<T>(), k, 0, whole ? 1 : kv_heads_,
+                                    whole ? kv_size : D, eps_);
           }
           roseinfer::rotate_heads(q, heads_, D, step.rotations + b * D);
           roseinfer::rotate_heads(k, kv_heads_, D, step.rotations + b * D);
@@ -218,9 +336,13 @@ class LlamaDecoder {
       layer.o.apply(attn.data(), B, out.data(), xs, os);
       roseinfer::add_and_norm_rows_in_parallel(residual.data(), out.data(), layer.mlp_norm.data_ptr<T>(),
                                                normed.data(), B, H, eps_);
-      layer.gate_up.apply(normed.data(), B, mlp.data(), xs, os);
-      roseinfer::silu_and_mul_in_parallel(mlp.data(), act.data(), I, B);
-      layer.down.apply(act.data(), B, out.data(), xs, os);
+      if (layer.experts) {
+        sparse_mlp(*layer.experts, normed.data(), B, out.data(), xs, os);
+      } else {
+        layer.gate_up.apply(normed.data(), B, mlp.data(), xs, os);
+        roseinfer::silu_and_mul_in_parallel(mlp.data(), act.data(), I, B);
+        layer.down.apply(act.data(), B, out.data(), xs, os);
+      }
     }
     roseinfer::add_and_norm_rows_in_parallel(residual.data(), out.data(), final_norm_.data_ptr<T>(), normed.data(), B,
                                              H, eps_);
@@ -228,6 +350,119 @@ class LlamaDecoder {
     torch::Tensor logits = torch::empty({B, head_.N}, torch::dtype(kDtype<T>));
     head_.apply(normed.data(), B, logits.data_ptr<T>(), xs, os);
     return logits;
+  }
+
+  // out [B, hidden] = the mixture of experts of x [B, hidden]: each expert that a row chose runs
+  // once over the rows that chose it, in expert order, its weighted output added into theirs (as
+  // SparseMoeBlock.forward groups them), then the shared expert's gated output.
+  template <typename T>
+  void sparse_mlp(const SparseMlp& moe, const T* x, int64_t B, T* out, std::vector<float>& xs,
+                  std::vector<float>& os) const {
+    const int64_t H = hidden_, E = static_cast<int64_t>(moe.gate_up.size()), I = moe.intermediate;
+    std::vector<T> logits(B * E);
+    moe.router.apply(x, B, logits.data(), xs, os);
+    const auto rows_of = route(logits.data(), B, E, moe.top_k, moe.normalize);
+    std::fill(out, out + B * H, T(0.0f));
+    std::vector<T> rows, gate_up, act, y;
+    if (moe.grouped) {
+      experts_grouped(moe, rows_of, x, out);
+    } else {
+      for (int64_t e = 0; e < E; ++e) {
+        const auto& chosen = rows_of[e];
+        const int64_t count = static_cast<int64_t>(chosen.size());
+        if (!count) continue;
+        const T* input = x + chosen[0].first * H;
+        if (count > 1) {  // the rows that chose this expert, together
+          rows.resize(count * H);
+          for (int64_t i = 0; i < count; ++i) std::copy_n(x + chosen[i].first * H, H, rows.data() + i * H);
+          input = rows.data();
+        }
+        gate_up.resize(count * 2 * I);
+        act.resize(count * I);
+        y.resize(count * H);
+        moe.gate_up[e].apply(input, count, gate_up.data(), xs, os);
+        roseinfer::silu_and_mul_in_parallel(gate_up.data(), act.data(), I, count);
+        moe.down[e].apply(act.data(), count, y.data(), xs, os);
+        for (int64_t i = 0; i < count; ++i)
+          add_weighted(out + chosen[i].first * H, y.data() + i * H, roseinfer::load_float(&chosen[i].second), H);
+      }
+    }
+    if (moe.shared_intermediate) {
+      const int64_t S = moe.shared_intermediate;
+      std::vector<T> gate(B);
+      gate_up.resize(B * 2 * S);
+      act.resize(B * S);
+      y.resize(B * H);
+      moe.shared_gate.apply(x, B, gate.data(), xs, os);
+      moe.shared_gate_up.apply(x, B, gate_up.data(), xs, os);
+      roseinfer::silu_and_mul_in_parallel(gate_up.data(), act.data(), S, B);
+      moe.shared_down.apply(act.data(), B, y.data(), xs, os);
+      for (int64_t b = 0; b < B; ++b) {
+        T sigmoid;  // rounded to T, as torch.sigmoid leaves it
+        roseinfer::store_float(&sigmoid, 1.0f / (1.0f + std::exp(-roseinfer::load_float(&gate[b]))));
+        add_weighted(out + b * H, y.data() + b * H, roseinfer::load_float(&sigmoid), H);
+      }
+    }
+  }
+
+  // The experts of sparse_mlp on GGUF blocks, all at once: every chosen expert's gate_up products
+  // in one parallel region, then every down product in another (the threads shared among all their
+  // rows), each product as the expert's own linear layer computes it.
+  template <typename T>
+  void experts_grouped(const SparseMlp& moe, const std::vector<std::vector<std::pair<int64_t, T>>>& rows_of,
+                       const T* x, T* out) const {
+    const int64_t H = hidden_, E = static_cast<int64_t>(moe.gate_up.size()), I = moe.intermediate;
+    std::vector<int64_t> first(E + 1, 0);  // expert e's rows: first[e] .. first[e + 1] of the gathered rows
+    for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + static_cast<int64_t>(rows_of[e].size());
+    const int64_t rows = first[E];
+    std::vector<float> xf(rows * H), gate_up(rows * 2 * I), act_f, y(rows * H);
+    for (int64_t e = 0; e < E; ++e)
+      for (size_t i = 0; i < rows_of[e].size(); ++i)
+        for (int64_t h = 0; h < H; ++h)
+          xf[(first[e] + i) * H + h] = roseinfer::load_float(x + rows_of[e][i].first * H + h);
+    const bool exact = moe.gate_up[0].exact;
+    std::vector<roseinfer::GgufProduct> products;
+    for (int64_t e = 0; e < E; ++e)
+      if (first[e + 1] > first[e])
+        moe.gate_up[e].add_products(xf.data() + first[e] * H, first[e + 1] - first[e],
+                                    gate_up.data() + first[e] * 2 * I, 2 * I, products);
+    roseinfer::gguf_matmul_group(products, exact);
+    // SiLU(gate) * up of the outputs rounded to T, as each expert's layers leave them.
+    std::vector<T> act(rows * I);
+    if constexpr (std::is_same_v<T, float>) {
+      roseinfer::silu_and_mul_in_parallel(gate_up.data(), act.data(), I, rows);
+    } else {
+      std::vector<T> rounded(rows * 2 * I);
+      for (int64_t i = 0; i < rows * 2 * I; ++i) roseinfer::store_float(rounded.data() + i, gate_up[i]);
+      roseinfer::silu_and_mul_in_parallel(rounded.data(), act.data(), I, rows);
+    }
+    const float* act_in;
+    if constexpr (std::is_same_v<T, float>) {
+      act_in = act.data();
+    } else {
+      act_f.resize(rows * I);
+      for (int64_t i = 0; i < rows * I; ++i) act_f[i] = roseinfer::load_float(act.data() + i);
+      act_in = act_f.data();
+    }
+    products.clear();
+    for (int64_t e = 0; e < E; ++e)
+      if (first[e + 1] > first[e])
+        moe.down[e].add_products(act_in + first[e] * I, first[e + 1] - first[e], y.data() + first[e] * H, H,
+                                 products);
+    roseinfer::gguf_matmul_group(products, exact);
+    for (int64_t e = 0; e < E; ++e)
+      for (size_t i = 0; i < rows_of[e].size(); ++i) {
+        T* dst = out + rows_of[e][i].first * H;
+        const float* yi = y.data() + (first[e] + i) * H;
+        const float weight = roseinfer::load_float(&rows_of[e][i].second);
+        if constexpr (std::is_same_v<T, float>) {
+          add_weighted(dst, yi, weight, H);
+        } else {
+          std::vector<T> rounded(H);  // the expert's output, rounded to T as its layer returns it
+          for (int64_t h = 0; h < H; ++h) roseinfer::store_float(rounded.data() + h, yi[h]);
+          add_weighted(dst, rounded.data(), weight, H);
+        }
+      }
   }
 
   // Each row's new key and value written to its slot, then its attention over the pool: qkv [B,
@@ -285,5 +520,8 @@ void bind_llama_decoder(pybind11::module& m) {
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, LinearSpec,
                           std::vector<LlamaDecoder::LayerSpec>, int64_t>())
+      .def("set_sparse_mlp", &LlamaDecoder::set_sparse_mlp, "a layer's MLP is a mixture of experts")
+      .def("set_qk_norm_over_all_heads", &LlamaDecoder::set_qk_norm_over_all_heads,
+           "a layer's q/k norms each span all heads (OLMoE)")
       .def("forward", &LlamaDecoder::forward, "one decode step: token embeddings -> logits (see the source's header)");
 }
