@@ -167,6 +167,14 @@ class GGUFConfigSource:
     def head_dim(self) -> int:
         return int(self.get("attention.key_length") or self.common["hidden_size"] // self.common["num_heads"])
 
+    def attention_fields(self) -> dict[str, Any]:
+        """Key/value heads, head size and RMSNorm epsilon, under the keys every RMSNorm family has."""
+        return dict(
+            num_kv_heads=int(self.key("attention.head_count_kv", self.common["num_heads"])),
+            head_dim=self.head_dim(),
+            norm_eps=float(self.key("attention.layer_norm_rms_epsilon", 1e-6)),
+        )
+
     def rope_scaling(self) -> dict[str, Any] | None:
         """The rotary scaling in transformers' terms (see layers/rotary.py), from the keys and
         tensors llama.cpp's converter writes; a kind we do not compute is an error naming it."""

@@ -239,8 +239,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         else:
             period = int(pattern or period)
             layer_types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
-        heads = common["num_heads"]
-        head_dim = source.head_dim()
+        fields = source.attention_fields()
+        heads, head_dim = common["num_heads"], fields["head_dim"]
         if source.get("attention.scale") is not None:
             scalar = float(source.get("attention.scale")) ** -2
         else:
@@ -252,9 +252,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
             raise source.error(f"rope scaling {source.get('rope.scaling.type')!r} is not supported")
         theta = float(source.key("rope.freq_base", 10000.0 if arch == "gemma2" else 1_000_000.0))
         return source.build(
-            num_kv_heads=int(source.key("attention.head_count_kv", heads)),
-            head_dim=head_dim,
-            norm_eps=float(source.key("attention.layer_norm_rms_epsilon", 1e-6)),
+            **fields,
             rope_theta=theta,
             rope_scaling=scaling,
             qk_norm=arch == "gemma3",

@@ -330,12 +330,10 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def config_from_gguf(cls, source: GGUFConfigSource) -> ModelConfig:
-        head_dim = source.head_dim()
-        rotary_dim = source.get("rope.dimension_count")
+        fields = source.attention_fields()
+        head_dim, rotary_dim = fields["head_dim"], source.get("rope.dimension_count")
         return source.build(
-            num_kv_heads=int(source.key("attention.head_count_kv", source.common["num_heads"])),
-            head_dim=head_dim,
-            norm_eps=float(source.key("attention.layer_norm_rms_epsilon", 1e-6)),
+            **fields,
             rope_theta=float(source.key("rope.freq_base", 10000.0)),
             rope_scaling=source.rope_scaling(),
             rotary_dim=int(rotary_dim) if rotary_dim is not None and int(rotary_dim) != head_dim else None,
