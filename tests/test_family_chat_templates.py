@@ -24,9 +24,16 @@ TOOLS = [{
 }]
 
 
-def _tool_call(arguments: object) -> dict:
-    # A nine-character id: Mistral's template refuses any other.
-    return {"id": "abcDEF123", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+# Non-ASCII and HTML characters: tojson must write them as they are (as transformers' does).
+UNICODE_TOOLS = [{"type": "function", "function": {
+    "name": "météo", "description": "Le temps qu'il fait — « ville » & <b>",
+    "parameters": {"type": "object", "properties": {"ville": {"type": "string"}}},
+}}]
+
+
+def _tool_call(arguments: object, call_id: str = "abcDEF123") -> dict:
+    # Nine-character ids: Mistral's template refuses any other.
+    return {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
 
 
 BASIC = [
@@ -47,6 +54,24 @@ WITH_TOOLS = [
       {"role": "tool", "tool_call_id": "abcDEF123", "name": "get_weather", "content": "Sunny, 21 C"}],
      {"tools": TOOLS}),
     ([{"role": "user", "content": "Weather in Paris?"}], {"tools": TOOLS}),
+    ([{"role": "user", "content": "Météo à Zürich? 漢字"}], {"tools": UNICODE_TOOLS}),
+    # Two calls at once (Llama 3's templates refuse them, with their own message).
+    ([{"role": "user", "content": "Weather in Paris and Rome?"},
+      {"role": "assistant", "content": "Checking.",
+       "tool_calls": [_tool_call({"city": "Paris"}), _tool_call({"city": "Rome"}, "xyzXYZ789")]},
+      {"role": "tool", "tool_call_id": "abcDEF123", "content": "Sunny"},
+      {"role": "tool", "tool_call_id": "xyzXYZ789", "content": "Rain"}], {"tools": TOOLS}),
+]
+LLAMA3 = [
+    # Tools in the system turn instead of the first user turn; built-in tools and their results.
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}],
+     {"tools": TOOLS, "tools_in_user_message": False}),
+    ([{"role": "user", "content": "Search cats"}],
+     {"builtin_tools": ["brave_search", "wolfram_alpha"], "date_string": "26 Nov 2026"}),
+    ([{"role": "user", "content": "Search cats"},
+      {"role": "assistant", "content": "", "tool_calls": [
+          {"type": "function", "function": {"name": "brave_search", "arguments": {"query": "cats"}}}]},
+      {"role": "ipython", "content": "cats are cute"}], {"builtin_tools": ["brave_search"]}),
 ]
 THINKING = [
     # Earlier turns' reasoning is dropped, in the content or in reasoning_content; thinking off.
@@ -60,12 +85,12 @@ THINKING = [
 # llama.cpp's template file -> the conversations it is checked with, and how many of the renders
 # (two per conversation) transformers completes (the rest the template refuses, and so must ours).
 TEMPLATES = {
-    "Qwen-Qwen3-0.6B": (BASIC + WITH_TOOLS + THINKING, 16),  # Qwen3 and Qwen3-MoE
-    "Qwen-Qwen2.5-7B-Instruct": (BASIC + WITH_TOOLS, 12),  # Qwen2 and Qwen2-MoE
-    "mistralai-Mistral-Nemo-Instruct-2407": (BASIC + WITH_TOOLS, 12),
-    "meta-llama-Llama-3.1-8B-Instruct": (BASIC + WITH_TOOLS, 12),
-    "meta-llama-Llama-3.2-3B-Instruct": (BASIC + WITH_TOOLS, 12),
-    "meta-llama-Llama-3.3-70B-Instruct": (BASIC + WITH_TOOLS, 12),
+    "Qwen-Qwen3-0.6B": (BASIC + WITH_TOOLS + THINKING, 20),  # Qwen3 and Qwen3-MoE
+    "Qwen-Qwen2.5-7B-Instruct": (BASIC + WITH_TOOLS, 16),  # Qwen2 and Qwen2-MoE
+    "mistralai-Mistral-Nemo-Instruct-2407": (BASIC + WITH_TOOLS, 16),
+    "meta-llama-Llama-3.1-8B-Instruct": (BASIC + WITH_TOOLS + LLAMA3, 20),
+    "meta-llama-Llama-3.2-3B-Instruct": (BASIC + WITH_TOOLS + LLAMA3, 20),
+    "meta-llama-Llama-3.3-70B-Instruct": (BASIC + WITH_TOOLS + LLAMA3, 20),
     "microsoft-Phi-3.5-mini-instruct": (BASIC, 6),
 }
 
