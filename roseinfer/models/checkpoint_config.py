@@ -10,7 +10,7 @@ dispatch. This module knows no family, and imports no model (the model files imp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,21 +107,15 @@ class HFConfigSource:
         )
 
 
-@dataclass(frozen=True)
 class GGUFConfigSource:
     """A GGUF file's metadata (keys under its general.architecture), and the architecture name of
     the registry that reads it."""
 
-    gguf: GGUFFile
-    architecture: str
-    common: dict[str, Any] = field(init=False)
-
-    def __post_init__(self) -> None:
-        meta, arch = self.gguf.metadata, self.gguf.architecture
+    def __init__(self, gguf: GGUFFile, architecture: str) -> None:
+        self.gguf, self.architecture = gguf, architecture
+        meta, arch = gguf.metadata, gguf.architecture
         tokens = meta.get("tokenizer.ggml.tokens") or []
-        vocab_size = int(
-            meta.get(f"{arch}.vocab_size") or len(tokens) or self.gguf.tensor_shape("token_embd.weight")[0]
-        )
+        vocab_size = int(meta.get(f"{arch}.vocab_size") or len(tokens) or gguf.tensor_shape("token_embd.weight")[0])
         eos = [
             int(meta[k])
             for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -129,17 +123,17 @@ class GGUFConfigSource:
         ]
         hidden, heads = int(self.key("embedding_length")), int(self.key("attention.head_count"))
         # The fields every GGUF file gives under the same keys (llama.cpp's converter writes them).
-        object.__setattr__(self, "common", dict(
+        self.common: dict[str, Any] = dict(
             vocab_size=vocab_size,
             hidden_size=hidden,
             num_layers=int(self.key("block_count")),
             num_heads=heads,
             intermediate_size=int(self.key("feed_forward_length")),
             max_position_embeddings=int(self.key("context_length")),
-            tie_word_embeddings=not self.gguf.has_tensor("output.weight"),
+            tie_word_embeddings=not gguf.has_tensor("output.weight"),
             eos_token_ids=list(dict.fromkeys(eos)),
-            name=str(meta.get("general.name") or self.gguf.path.stem),
-        ))
+            name=str(meta.get("general.name") or gguf.path.stem),
+        )
 
     @property
     def arch(self) -> str:
