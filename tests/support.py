@@ -375,3 +375,34 @@ def layer_of(gguf_name: str) -> str:
 def module_of(gguf_name: str) -> str:
     parts = gguf_name.split(".")
     return parts[2] if parts[0] == "blk" else parts[0]
+
+
+def assert_chat_renders_as_transformers(
+    ours, reference, template: str, conversations: list[tuple[list[dict], dict]]
+) -> int:
+    """Our `Tokenizer` (`ours`) renders `template` as transformers' tokenizer (`reference`) does,
+    for each (messages, template variables) pair, with and without the generation prompt. Where
+    transformers refuses a conversation (the template's raise_exception, an undefined key), ours
+    must refuse it too, with a ValueError carrying the same message. Returns how many rendered."""
+    import pytest
+
+    from roseinfer.tokenizer import Tokenizer
+
+    ours = Tokenizer(ours.backend, chat_template=template, bos_token=ours.bos_token, eos_token=ours.eos_token)
+    rendered = 0
+    for messages, variables in conversations:
+        for add_generation_prompt in (True, False):
+            try:
+                expected = reference.apply_chat_template(
+                    messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                    **variables,
+                )
+            except Exception as exc:  # jinja2's TemplateError or UndefinedError: the template refused
+                with pytest.raises(ValueError) as refused:
+                    ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **variables)
+                assert str(exc) in str(refused.value), (messages, add_generation_prompt)
+                continue
+            got = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **variables)
+            assert got == expected, (messages, add_generation_prompt)
+            rendered += 1
+    return rendered

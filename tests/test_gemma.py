@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 from hf_to_gguf import convert_hf_to_gguf, llama_cpp_chat_template, write_default_tokenizer
-from support import CORPUS, compare_logits_step_by_step
+from support import CORPUS, assert_chat_renders_as_transformers, compare_logits_step_by_step
 
 from roseinfer import LLM
 from roseinfer.sampling_params import SamplingParams
@@ -260,20 +260,16 @@ def test_decode_kernel_window_and_softcap_match_pytorch():
 
 def test_gemma_chat_template_renders_as_transformers(smollm_tokenizer, smollm_hf_tokenizer):
     """Gemma 2's own template (from llama.cpp's collection): turns as <start_of_turn>user/model,
-    trimmed contents, alternating roles enforced, no system role."""
-    template = llama_cpp_chat_template("google-gemma-2-2b-it")
-    tokenizer = Tokenizer(smollm_tokenizer.backend, chat_template=template, bos_token=smollm_tokenizer.bos_token,
-                          eos_token=smollm_tokenizer.eos_token)
+    trimmed contents, alternating roles enforced, no system role (refused with the template's own
+    message, by both)."""
     conversations = [
-        [{"role": "user", "content": "What is 2+2? "}],
-        [{"role": "user", "content": "Hi! Café? 漢字"}, {"role": "assistant", "content": " Hello.\nHow can I help?"},
-         {"role": "user", "content": "A joke."}],
+        ([{"role": "user", "content": "What is 2+2? "}], {}),
+        ([{"role": "user", "content": "Hi! Café? 漢字"}, {"role": "assistant", "content": " Hello.\nHow can I help?"},
+          {"role": "user", "content": "A joke."}], {}),
+        ([{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"}], {}),
     ]
-    for messages in conversations:
-        for add_generation_prompt in (True, False):
-            expected = smollm_hf_tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
-            )
-            assert tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+    template = llama_cpp_chat_template("google-gemma-2-2b-it")
+    assert assert_chat_renders_as_transformers(smollm_tokenizer, smollm_hf_tokenizer, template, conversations) == 4
+    ours = Tokenizer(smollm_tokenizer.backend, chat_template=template, eos_token=smollm_tokenizer.eos_token)
     with pytest.raises(ValueError, match="System role not supported"):
-        tokenizer.apply_chat_template([{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"}])
+        ours.apply_chat_template(conversations[2][0])

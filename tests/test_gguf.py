@@ -89,17 +89,26 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 def test_the_loaders_read_what_the_registered_classes_declare(tmp_path):
     """The Hugging Face model_types and GGUF architectures the loaders accept, and the architecture
-    each maps to, are the registered model classes' own declarations; an unknown model_type is
-    refused with that list."""
+    each maps to, are the registered model classes' own declarations, and each such class reads
+    that file's config itself; an unknown model_type is refused with that list."""
     import json
 
     from roseinfer.models.hf_config import model_config_from_hf
-    from roseinfer.models.registry import GGUF_ARCHITECTURES, HF_MODEL_TYPES, MODEL_CLASSES
+    from roseinfer.models.registry import (
+        GGUF_ARCHITECTURES,
+        GGUF_EXPERT_ARCHITECTURES,
+        HF_MODEL_TYPES,
+        MODEL_CLASSES,
+    )
 
     assert {"llama", "qwen3", "gemma3", "phi3", "qwen2moe", "gpt2"} <= set(GGUF_ARCHITECTURES)
-    for names, attribute in ((HF_MODEL_TYPES, "hf_model_types"), (GGUF_ARCHITECTURES, "gguf_architectures")):
+    assert GGUF_EXPERT_ARCHITECTURES == {"llama": "moe"}  # Mixtral's GGUF files
+    for names, attribute, reader in ((HF_MODEL_TYPES, "hf_model_types", "config_from_hf"),
+                                     (GGUF_ARCHITECTURES, "gguf_architectures", "config_from_gguf"),
+                                     (GGUF_EXPERT_ARCHITECTURES, "gguf_expert_architectures", "config_from_gguf")):
         for name, architecture in names.items():
             assert getattr(MODEL_CLASSES[architecture], attribute)[name] == architecture
+            assert callable(getattr(MODEL_CLASSES[architecture], reader)), (name, reader)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(ModelLoadError, match=r"model_type 'mamba' is not supported; supported: \[.*'gemma3_text'.*'qwen3_moe'"):
         model_config_from_hf(tmp_path)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from hf_to_gguf import convert_hf_to_gguf, write_default_tokenizer
-from support import EXACT, compare_logits_step_by_step
+from support import EXACT, assert_chat_renders_as_transformers, compare_logits_step_by_step
 
 from roseinfer import LLM, InferenceEngine, SamplingParams
 from roseinfer.errors import ModelLoadError
@@ -328,18 +328,14 @@ def test_phi_chat_templates_render_as_transformers(phi, template):
     from roseinfer.tokenizer import Tokenizer
 
     hf_dir = phi[1]
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    ours = Tokenizer.from_pretrained_dir(hf_dir)
-    ours = Tokenizer(ours.backend, chat_template=template, bos_token=ours.bos_token, eos_token=ours.eos_token)
     conversations = [
-        [{"role": "user", "content": "What is 2+2?"}],
-        [{"role": "system", "content": "You are terse.", "tools": '[{"name": "f"}]'},
-         {"role": "user", "content": "Café? 漢字"}, {"role": "assistant", "content": "Yes.\nNo."},
-         {"role": "user", "content": "Again."}],
+        ([{"role": "user", "content": "What is 2+2?"}], {}),
+        ([{"role": "system", "content": "You are terse.", "tools": '[{"name": "f"}]'},
+          {"role": "user", "content": "Café? 漢字"}, {"role": "assistant", "content": "Yes.\nNo."},
+          {"role": "user", "content": "Again."}], {}),
     ]
-    for messages in conversations:
-        for add_generation_prompt in (True, False):
-            expected = hf_tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-            assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+    rendered = assert_chat_renders_as_transformers(
+        Tokenizer.from_pretrained_dir(hf_dir), transformers.AutoTokenizer.from_pretrained(hf_dir), template,
+        conversations,
+    )
+    assert rendered == 4

@@ -28,6 +28,7 @@ from roseinfer.layers.activation import gelu_tanh_and_mul
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
+from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
 from roseinfer.models.fused_decode import DecodeModelSpec
 from roseinfer.models.llama import (
     LLAMA_GGUF_LAYER_NAMES,
@@ -180,3 +181,95 @@ class GemmaForCausalLM(LlamaForCausalLM):
                 yield name, tensor
 
         super().load_weights(with_offsets(), on_module_loaded)
+
+    # -- reading a checkpoint's config (models/hf_config.py and gguf_loader.py dispatch here) --
+
+    @classmethod
+    def config_from_hf(cls, source: HFConfigSource) -> ModelConfig:
+        raw = source.raw
+        if raw.get("use_bidirectional_attention"):
+            raise source.error("use_bidirectional_attention (an embedding model) is not supported")
+        activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+        if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise source.error(f"Gemma activation {activation!r} is not supported (gelu_pytorch_tanh)")
+        layers = raw["num_hidden_layers"]
+        period = raw.get("sliding_window_pattern", _HF_LAYER_PERIOD[source.model_type])
+        layer_types = raw.get("layer_types") or [
+            "sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)
+        ]
+        params = raw.get("rope_parameters") or {}
+        if "full_attention" in params:  # transformers 5: rotary parameters per layer type
+            global_rope, local_rope = params["full_attention"] or {}, params.get("sliding_attention") or {}
+            theta = float(global_rope.get("rope_theta", 1_000_000.0))
+            scaling = None
+            if global_rope.get("rope_type", "default") != "default":
+                scaling = {k: v for k, v in global_rope.items() if k != "rope_theta"}
+            local_theta = float(local_rope.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0)))
+            if local_rope.get("rope_type", "default") != "default":
+                raise source.error("rotary scaling of the sliding layers is not supported")
+        else:
+            theta, scaling, _ = source.rope()  # Gemma: no partial rotary
+            local_theta = float(raw.get("rope_local_base_freq", theta)) if source.model_type == "gemma3_text" else theta
+        fields = source.decoder_fields(max_positions=8192, tied=True)
+        return source.build(
+            **fields,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            attention_bias=raw.get("attention_bias", False),
+            qk_norm=source.architecture == "gemma3",
+            hidden_act="gelu_pytorch_tanh",
+            sliding_window=raw.get("sliding_window"),
+            layer_types=layer_types,
+            attn_logit_softcapping=raw.get("attn_logit_softcapping"),
+            final_logit_softcapping=raw.get("final_logit_softcapping"),
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or fields["head_dim"]),
+            rope_local_theta=local_theta,
+            norm_weight_offset=1.0,
+        )
+
+    @classmethod
+    def config_from_gguf(cls, source: GGUFConfigSource) -> ModelConfig:
+        arch, common = source.arch, source.common
+        period, layers_27b = _GGUF_LAYOUT[arch]
+        layers = common["num_layers"]
+        window = source.get("attention.sliding_window")
+        pattern = source.get("attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # per layer: whether it slides
+            layer_types = ["sliding_attention" if slides else "full_attention" for slides in pattern]
+        else:
+            period = int(pattern or period)
+            layer_types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
+        fields = source.attention_fields()
+        heads, head_dim = common["num_heads"], fields["head_dim"]
+        if source.get("attention.scale") is not None:
+            scalar = float(source.get("attention.scale")) ** -2
+        else:
+            scalar = common["hidden_size"] / heads if layers == layers_27b else head_dim
+        scaling = None
+        if source.get("rope.scaling.type") == "linear":
+            scaling = {"rope_type": "linear", "factor": float(source.key("rope.scaling.factor"))}
+        elif source.get("rope.scaling.type") not in (None, "none"):
+            raise source.error(f"rope scaling {source.get('rope.scaling.type')!r} is not supported")
+        theta = float(source.key("rope.freq_base", 10000.0 if arch == "gemma2" else 1_000_000.0))
+        return source.build(
+            **fields,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            qk_norm=arch == "gemma3",
+            hidden_act="gelu_pytorch_tanh",
+            sliding_window=int(window) if window else None,
+            layer_types=layer_types if window else None,
+            attn_logit_softcapping=source.get("attn_logit_softcapping"),
+            final_logit_softcapping=source.get("final_logit_softcapping"),
+            query_pre_attn_scalar=float(scalar),
+            rope_local_theta=float(source.get("rope.freq_base_swa", 10000.0 if arch == "gemma3" else theta)),
+            norm_weight_offset=0.0,  # the converter stored 1 + w
+        )
+
+
+# Hugging Face model_type -> the period of its default layer pattern (every n-th layer global).
+_HF_LAYER_PERIOD = {"gemma2": 2, "gemma3_text": 6}
+# GGUF architecture -> the period of llama.cpp's layer pattern, which the converter does not write
+# (llama.cpp hard-codes it), and the layer count of the 27B model, whose queries llama.cpp scales
+# by (hidden / heads) ** -0.5 (its query_pre_attn_scalar) instead of head_dim ** -0.5.
+_GGUF_LAYOUT = {"gemma2": (2, 46), "gemma3": (6, 62)}

@@ -22,6 +22,7 @@ from roseinfer.distributed.partition import partition
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
 from roseinfer.layers.parallel import VocabParallelEmbedding, gather_logits, take_shard
 from roseinfer.layers.quantization import concat_rows
+from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
 from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
 _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -146,3 +147,34 @@ class GPT2LMHeadModel(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight
         loader.mark_loaded("lm_head.weight")
         loader.check_complete()
+
+    @classmethod
+    def config_from_hf(cls, source: HFConfigSource) -> ModelConfig:
+        raw = source.raw
+        hidden = raw["n_embd"]
+        activation = raw.get("activation_function", "gelu_new")
+        if activation not in ("gelu_new", "gelu", "gelu_pytorch_tanh"):
+            raise source.error(f"GPT-2 activation {activation!r} is not supported")
+        return source.build(
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            num_layers=raw["n_layer"],
+            num_heads=raw["n_head"],
+            num_kv_heads=raw["n_head"],
+            head_dim=hidden // raw["n_head"],
+            intermediate_size=raw.get("n_inner") or 4 * hidden,
+            max_position_embeddings=raw.get("n_positions", 1024),
+            norm_eps=raw.get("layer_norm_epsilon", 1e-5),
+            tie_word_embeddings=True,
+            hidden_act=activation,
+        )
+
+    @classmethod
+    def config_from_gguf(cls, source: GGUFConfigSource) -> ModelConfig:
+        heads = source.common["num_heads"]
+        return source.build(
+            num_kv_heads=heads,
+            head_dim=source.common["hidden_size"] // heads,
+            norm_eps=float(source.key("attention.layer_norm_epsilon", 1e-5)),
+            hidden_act="gelu_new",
+        )

@@ -9,7 +9,7 @@ layers/parallel.py) each rank builds only its heads, MLP columns and vocabulary 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from roseinfer.layers.rotary import (
     interleave_rotary_rows,
     rope_frequencies,
 )
+from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
 from roseinfer.models.fused_decode import DecodeExpertsSpec, DecodeLayerSpec, DecodeModelSpec
 from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
@@ -293,3 +294,55 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
             loader.mark_loaded("lm_head.weight")
         loader.check_complete()
+
+    # -- reading a checkpoint's config (models/hf_config.py and gguf_loader.py dispatch here) --
+
+    # Hugging Face model_type -> (attention biases, per-head q/k norms), where not Llama's (neither).
+    hf_attention_defaults: ClassVar[dict[str, tuple[bool, bool]]] = {"qwen2": (True, False), "qwen3": (False, True)}
+
+    @classmethod
+    def hf_rope(cls, source: HFConfigSource) -> tuple[float, dict[str, Any] | None, float]:
+        """rope_theta, scaling and partial rotary factor of the family's config.json."""
+        return source.rope()
+
+    @classmethod
+    def config_from_hf(cls, source: HFConfigSource) -> ModelConfig:
+        raw = source.raw
+        default_bias, qk_norm = cls.hf_attention_defaults.get(source.model_type, (False, False))
+        fields = source.decoder_fields()
+        theta, scaling, partial_rotary = cls.hf_rope(source)
+        sliding = raw.get("sliding_window")
+        layer_types = raw.get("layer_types")
+        if source.model_type == "qwen2":
+            if not raw.get("use_sliding_window", False):
+                sliding = None
+            elif layer_types is None:  # as transformers: layers from max_window_layers on slide
+                first = raw.get("max_window_layers", 28)
+                layer_types = ["sliding_attention" if i >= first else "full_attention"
+                               for i in range(raw["num_hidden_layers"])]
+        return source.build(
+            **fields,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            attention_bias=raw.get("attention_bias", default_bias),
+            qk_norm=qk_norm,
+            hidden_act=raw.get("hidden_act", "silu"),
+            sliding_window=sliding,
+            layer_types=layer_types if sliding else None,
+            rotary_dim=int(fields["head_dim"] * partial_rotary) if partial_rotary != 1.0 else None,
+        )
+
+    @classmethod
+    def config_from_gguf(cls, source: GGUFConfigSource) -> ModelConfig:
+        fields = source.attention_fields()
+        head_dim, rotary_dim = fields["head_dim"], source.get("rope.dimension_count")
+        return source.build(
+            **fields,
+            rope_theta=float(source.key("rope.freq_base", 10000.0)),
+            rope_scaling=source.rope_scaling(),
+            rotary_dim=int(rotary_dim) if rotary_dim is not None and int(rotary_dim) != head_dim else None,
+            attention_bias=source.gguf.has_tensor("blk.0.attn_q.bias"),
+            qk_norm=source.gguf.has_tensor("blk.0.attn_q_norm.weight"),
+            # Phi-3's converter writes 0 for "none" (Phi-4).
+            sliding_window=source.get("attention.sliding_window") or None,
+        )

@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from roseinfer.config import ModelConfig
+from roseinfer.config import ModelConfig, MoeConfig
 from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.distributed.partition import partition
 from roseinfer.errors import ModelLoadError
@@ -38,6 +38,7 @@ from roseinfer.layers.attention import AttentionMetadata
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.parallel import take_shard
 from roseinfer.layers.rotary import apply_rotary, interleave_rotary_rows
+from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
 from roseinfer.models.fused_decode import DecodeExpertsSpec, DecodeModelSpec
 from roseinfer.models.llama import (
     LLAMA_GGUF_LAYER_NAMES,
@@ -325,3 +326,86 @@ class MoeForCausalLM(LlamaForCausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
             loader.mark_loaded("lm_head.weight")
         loader.check_complete()
+
+    # -- reading a checkpoint's config (models/hf_config.py and gguf_loader.py dispatch here) --
+
+    # GGUF architectures of a dense family that llama.cpp also writes these models under (Mixtral
+    # as `llama`): gguf_loader gives such a file to this class where it counts experts.
+    gguf_expert_architectures: ClassVar[dict[str, str]] = {"llama": "moe"}
+    # Hugging Face model_type -> (attention biases, per-head q/k norms, whole-q/k norms,
+    # renormalise the top-k router weights by default).
+    hf_moe_defaults: ClassVar[dict[str, tuple[bool, bool, bool, bool]]] = {
+        "mixtral": (False, False, False, True),
+        "qwen2_moe": (True, False, False, False),
+        "qwen3_moe": (False, True, False, False),
+        "olmoe": (False, False, True, False),
+    }
+
+    @classmethod
+    def config_from_hf(cls, source: HFConfigSource) -> ModelConfig:
+        raw, model_type = source.raw, source.model_type
+        default_bias, qk_norm, qk_norm_full, default_norm_topk = cls.hf_moe_defaults[model_type]
+        if raw.get("clip_qkv") is not None:
+            raise source.error(f"OLMoE's clip_qkv={raw['clip_qkv']} is not supported")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise source.error(f"expert activation {raw['hidden_act']!r} is not supported (silu only)")
+        if raw.get("use_sliding_window") and model_type != "mixtral":
+            raise source.error(f"use_sliding_window is not supported for {model_type}")
+        num_layers = raw["num_hidden_layers"]
+        # Qwen-MoE: layers listed in mlp_only_layers, or off the decoder_sparse_step grid, are dense.
+        step = raw.get("decoder_sparse_step") or 1
+        dense = tuple(
+            i for i in range(num_layers) if i in (raw.get("mlp_only_layers") or []) or (i + 1) % step
+        )
+        moe = MoeConfig(
+            num_experts=raw.get("num_local_experts") or raw["num_experts"],
+            top_k=raw["num_experts_per_tok"],
+            intermediate_size=raw.get("moe_intermediate_size") or raw["intermediate_size"],
+            norm_topk_prob=True if model_type == "mixtral" else bool(raw.get("norm_topk_prob", default_norm_topk)),
+            shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size") or 0,
+            dense_layers=dense,
+        )
+        theta, scaling, _ = source.rope()
+        return source.build(
+            **source.decoder_fields(),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            attention_bias=raw.get("qkv_bias", raw.get("attention_bias", default_bias)),
+            qk_norm=qk_norm,
+            qk_norm_full=qk_norm_full,
+            hidden_act=raw.get("hidden_act", "silu"),
+            sliding_window=raw.get("sliding_window") if model_type == "mixtral" else None,
+            moe=moe,
+        )
+
+    @classmethod
+    def config_from_gguf(cls, source: GGUFConfigSource) -> ModelConfig:
+        """The Llama decoder's keys, then the experts'."""
+        config = super().config_from_gguf(source)
+        arch, meta, gguf = source.arch, source.metadata, source.gguf
+        num_experts = int(source.get("expert_count") or 0)
+        if not num_experts:
+            raise source.error(f"metadata key {arch}.expert_count is missing")
+        if f"{arch}.expert_used_count" not in meta:
+            raise source.error(f"metadata key {arch}.expert_used_count is missing")
+        # llama.cpp's own choices where the file does not say: Mixtral and Qwen3-MoE renormalise the
+        # chosen experts' weights, Qwen2-MoE and OLMoE do not.
+        norm_topk = source.get("expert_weights_norm", arch in ("llama", "qwen3moe"))
+        shared = 0
+        if gguf.has_tensor("blk.0.ffn_up_shexp.weight"):
+            shared = gguf.tensor_shape("blk.0.ffn_up_shexp.weight")[0]
+        # OLMoE normalises the whole of q and of k (a norm of q's width), Qwen3-MoE each head.
+        full_qk_norm = config.qk_norm and gguf.tensor_shape("blk.0.attn_q_norm.weight")[0] != config.head_dim
+        moe = MoeConfig(
+            num_experts=num_experts,
+            top_k=int(meta[f"{arch}.expert_used_count"]),
+            intermediate_size=int(source.get("expert_feed_forward_length") or config.intermediate_size),
+            norm_topk_prob=bool(norm_topk),
+            shared_expert_intermediate_size=shared,
+            dense_layers=tuple(
+                i for i in range(config.num_layers) if not gguf.has_tensor(f"blk.{i}.ffn_gate_inp.weight")
+            ),
+        )
+        return dataclasses.replace(
+            config, moe=moe, qk_norm=config.qk_norm and not full_qk_norm, qk_norm_full=full_qk_norm
+        )

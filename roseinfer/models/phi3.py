@@ -10,11 +10,12 @@ Llama checkpoint's would be.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from roseinfer.errors import ModelLoadError
+from roseinfer.models.checkpoint_config import HFConfigSource
 from roseinfer.models.llama import LlamaForCausalLM
 from roseinfer.models.weights import ModuleLoaded
 
@@ -60,3 +61,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 parts[-2] = module
                 yield ".".join(parts), tensor.narrow(0, start, rows)
                 start += rows
+
+    @classmethod
+    def hf_rope(cls, source: HFConfigSource) -> tuple[float, dict[str, Any] | None, float]:
+        # transformers reads Phi-3's old "yarn" configs as LongRoPE, and its original context is
+        # 4096 where config.json does not give it.
+        return source.rope(legacy_yarn_as="longrope", default_original_positions=4096)

@@ -44,6 +44,8 @@ def _checkpoint_names(attribute: str) -> dict[str, str]:
 
 HF_MODEL_TYPES = _checkpoint_names("hf_model_types")
 GGUF_ARCHITECTURES = _checkpoint_names("gguf_architectures")
+# GGUF architectures llama.cpp also writes a class's models under, told apart by an expert count.
+GGUF_EXPERT_ARCHITECTURES = _checkpoint_names("gguf_expert_architectures")
 
 
 def model_class_for(architecture: str) -> type[nn.Module]:
