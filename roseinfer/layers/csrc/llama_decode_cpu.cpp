@@ -14,7 +14,7 @@
 // rounds them: every step calls the same row functions (cpu_kernels.h) and the same linear
 // kernels, GGUF-typed blocks (gguf_linear_cpu.cpp, float32 activations) or weights packed in panels
 // (panel_linear_cpu.cpp), so the two paths agree up to summation order (attention splits its sums
-// as it does op by op; a Qwen3 q/k norm runs in PyTorch there).
+// as it does op by op; a Qwen3 or Gemma 3 q/k norm runs in PyTorch there).
 
 #include <torch/extension.h>
 
@@ -383,7 +383,8 @@ class LlamaDecoder {
   template <typename T>
   void scale_rows(T* x, int64_t n) const {
     at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) roseinfer::store_float(x + i, roseinfer::load_float(x + i) * embedding_scale_);
+      for (int64_t i = begin; i < end; ++i)
+        roseinfer::store_float(x + i, roseinfer::load_float(x + i) * embedding_scale_);
     });
   }
 
