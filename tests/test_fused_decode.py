@@ -1,7 +1,7 @@
 """The C++ decode step (models/fused_decode.py) against the op-by-op forward it replaces: the same
 logits on tiny random Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms) models and the same
 next-token distributions on the default model, with GGUF blocks (the default model's own Q4_1 / Q8_0, and int4 / int8) and
-with float32 and bfloat16 weights on the panel kernel."""
+with float32 and bfloat16 weights on the panel kernel. (Gemma 2 and 3 through the same step: test_gemma.py.)"""
 
 from __future__ import annotations
 
@@ -149,10 +149,10 @@ def test_the_fused_step_is_built_from_the_models_description(tmp_path):
 
 
 def test_what_the_description_says_and_the_step_cannot_compute_is_refused_by_name(tmp_path, caplog):
-    """Each feature of a description that the C++ step does not compute (a GeGLU, a soft-cap, norms
-    of a sub-layer's output, another scale, a window per layer, scaled embeddings, capped logits)
-    is refused with a reason naming it, logged once; and a subclass that changes the forward
-    without describing itself does not inherit Llama's description."""
+    """Each feature of a description that the C++ step does not compute (another activation, a q
+    norm without a k norm, shapes or norm eps differing between layers, no positive scale) is
+    refused with a reason naming it, logged once; and a subclass that changes the forward without
+    describing itself does not inherit Llama's description."""
     import dataclasses
     import logging
 
@@ -162,23 +162,25 @@ def test_what_the_description_says_and_the_step_cannot_compute_is_refused_by_nam
     spec = model.fused_decode_spec()
     first = spec.layers[0]
 
-    def with_layer(**changes):
-        return dataclasses.replace(spec, layers=(dataclasses.replace(first, **changes), *spec.layers[1:]))
-
-    def with_attention(**changes):
-        return with_layer(attention=dataclasses.replace(first.attention, **changes))
+    def with_layer(index=0, **changes):
+        layers = list(spec.layers)
+        layers[index] = dataclasses.replace(layers[index], **changes)
+        return dataclasses.replace(spec, layers=tuple(layers))
 
     refusals = {
-        "activation 'gelu_tanh'": with_layer(activation="gelu_tanh"),
-        "norms of the attention's or the MLP's output": with_layer(mlp_out_norm=first.mlp_norm),
-        "a soft-cap of the attention scores": with_attention(softcap=50.0),
-        "attention scale 0.1": with_attention(scale=0.1),
-        "layer 1: its sliding window differs from layer 0's": with_attention(sliding_window=8),
-        "scaled token embeddings": dataclasses.replace(spec, embedding_scale=8.0),
-        "a soft-cap of the final logits": dataclasses.replace(spec, final_logit_softcap=30.0),
+        "layer 0: activation 'relu'": with_layer(activation="relu"),
+        "layer 0: a norm of q without one of k": with_layer(q_norm=first.input_norm[: first.attention.head_dim]),
+        "layer 1: its shapes differ from layer 0's": with_layer(1, intermediate_size=2 * first.intermediate_size),
+        "layer 1: its norms' eps differs from the final norm's": with_layer(1, norm_eps=2 * first.norm_eps),
+        "layer 0: attention scale 0.0": with_layer(attention=dataclasses.replace(first.attention, scale=0.0)),
     }
     for reason, described in refusals.items():
-        assert reason in unsupported(described, torch.float32), reason
+        assert reason in (unsupported(described, torch.float32) or ""), reason
+    # What Gemma adds is computed, per layer or per model: not refused.
+    gemma_like = with_layer(1, activation="gelu_tanh", mlp_out_norm=first.mlp_norm, attention_out_norm=first.mlp_norm,
+                            attention=dataclasses.replace(first.attention, scale=0.1, softcap=50.0, sliding_window=8))
+    assert unsupported(dataclasses.replace(gemma_like, embedding_scale=8.0, final_logit_softcap=30.0),
+                       torch.float32) is None
 
     class Scaled(LlamaForCausalLM):  # a forward of its own, no description of it
         def forward(self, *args):

@@ -6,7 +6,9 @@ some prompts, saved as Hugging Face directories and converted to GGUF by llama.c
 (tests/hf_to_gguf.py). Logits of prefill (whole and chunked) and decode steps within float32
 tolerance, greedy tokens identical for 32 tokens, through both the C++ decode kernel and the
 PyTorch path; prefix caching and preemption on Gemma; Mistral and Qwen2 sliding windows past the
-window; Gemma 2, Gemma 3 and Mistral on two tensor-parallel ranks as on one.
+window; Gemma 2, Gemma 3 and Mistral on two tensor-parallel ranks as on one. Gemma's decode steps
+run through the fused C++ step (models/fused_decode.py), checked against the op-by-op forward with
+float weights, bfloat16, int8/int4 blocks and a Q8_0 GGUF file.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import transformers
 from hf_to_gguf import convert_hf_to_gguf, llama_cpp_chat_template, write_default_tokenizer
 from support import CORPUS, assert_chat_renders_as_transformers, compare_logits_step_by_step
+from test_fused_decode import decode_logits_both_ways, panel_dtypes, quantizes_activations
 
 from roseinfer import LLM
 from roseinfer.sampling_params import SamplingParams
@@ -99,6 +102,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
         paths[kind] = root / kind
     for kind in ("gemma2", "gemma3"):
         paths[f"{kind}.gguf"] = convert_hf_to_gguf(root / kind, root / f"{kind}.gguf")
+        paths[f"{kind}.q8_0.gguf"] = convert_hf_to_gguf(root / kind, root / f"{kind}.q8_0.gguf", "q8_0")
     return paths
 
 
@@ -145,12 +149,48 @@ def test_logits_and_greedy_tokens_match_transformers(models, kind, source):
     assert worst < TOLERANCE, f"{kind} ({source}): max |logit difference| {worst}"
 
     expected = _greedy_reference(reference, prompts)
+    if "float32" in panel_dtypes():  # the decode steps ran in the fused C++ step, not op by op
+        assert llm.engine.runner.fused_decoder is not None, f"{kind} ({source}): no fused decode step"
     assert _greedy(llm, prompts) == expected, f"{kind} ({source}), C++ decode kernel"
-    if kind.startswith("gemma"):
-        assert llm.engine.runner.fused_decoder is None  # the Llama C++ step never runs Gemma
     if source == "hf" and kind != "mistral":  # SDPA with the window's mask, Gemma 2's soft-capped math
         torch_llm = LLM(model, num_kv_blocks=64, attention_backend="torch", quantization="none")
         assert _greedy(torch_llm, prompts) == expected, f"{kind} ({source}), PyTorch attention"
+
+
+# More rows than one parallel task of the C++ step's elementwise passes takes (16).
+MANY_PROMPTS = [[(7 * i + j) % 300 + 3 for j in range(3 + i)] for i in range(14)]
+
+
+@pytest.mark.parametrize(("kind", "weights"), [
+    ("gemma2", "float32"), ("gemma3", "float32"), ("gemma3-hf", "float32"), ("gemma2", "bfloat16"),
+    ("gemma3", "bfloat16"), ("gemma2", "int8"), ("gemma3", "int4"), ("gemma2", "q8_0.gguf"), ("gemma3", "q8_0.gguf"),
+])
+def test_fused_decode_step_equals_the_op_by_op_forward(models, kind, weights):
+    """Gemma's decode steps in the fused C++ step (its GeGLU, four norms a layer, scaled embeddings,
+    soft-caps, query scale, a window and a rotary table per layer) against the op-by-op forward,
+    past the sliding window: logits within the Llama family's tolerances (the q/k norms of
+    Gemma 3 run in PyTorch op by op, as Qwen3's), and the runner really holds the fused step."""
+    if weights in ("float32", "bfloat16") and weights not in panel_dtypes():
+        pytest.skip(f"this CPU's build has no {weights} panel kernel: no fused decode step for float weights")
+    if weights.endswith(".gguf"):
+        # Gemma 2's sentencepiece vocabulary in GGUF is refused by name: the directory's tokenizer
+        options = {"tokenizer": str(models[kind])} if kind == "gemma2" else {}
+        llm = LLM(str(models[f"{kind}.{weights}"]), num_kv_blocks=128, **options)
+    elif weights in ("float32", "bfloat16"):
+        llm = LLM(str(models[kind]), num_kv_blocks=128, quantization="none", dtype=weights)
+    else:
+        llm = LLM(str(models[kind]), num_kv_blocks=128, quantization=weights)
+    runner = llm.engine.runner
+    fused = runner.fused_decoder
+    assert fused is not None, "Gemma decodes op by op"
+    assert fused.decoder.rotary_tables() == (1 if runner.model.same_rotary else 2)
+    prompts = _prompts(llm.engine.model_config.vocab_size) + MANY_PROMPTS
+    assert max(map(len, prompts)) > WINDOW
+    worst, worst_kl = decode_logits_both_ways(llm.engine, prompts, steps=5)
+    if weights == "float32" or (weights not in ("bfloat16", "float32") and not quantizes_activations()):
+        assert worst < 1e-4, worst
+    else:  # bfloat16, or 8-bit activations: a last-bit difference may cross a rounding step
+        assert worst_kl < 1e-3, (worst, worst_kl)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])

@@ -8,10 +8,13 @@ way says so with `fused_decode_spec()`, returning a `DecodeModelSpec`: its layer
 mixture of experts' router and experts in place of the MLP: `DecodeExpertsSpec`), built
 from the same modules its forward runs, so the two cannot drift. This module builds the C++ step
 from that description only (never from the attributes of an arbitrary class) and refuses, by
-name and logged once, what the C++ step does not compute (a GeGLU, a soft-cap, extra norms, a
-window per layer, ...) or cannot call (linear layers other than float panels or GGUF blocks,
-tensor-parallel shards, another device). A model without the method, or returning None, keeps
-its op-by-op forward.
+name and logged once, what the C++ step does not compute (another activation, shapes or norm eps
+differing between layers, ...) or cannot call (linear layers other than float panels or GGUF
+blocks, tensor-parallel shards, another device). A model without the method, or returning None,
+keeps its op-by-op forward. Per layer the step takes its own attention scale, sliding window,
+score soft-cap, rotary table and activation (SwiGLU or GeGLU) and Gemma's norms of the attention's
+and the MLP's outputs; per model an embedding scale and a soft-cap of the final logits: the Llama
+family, Gemma 2 and Gemma 3.
 
 The C++ step applies to CPU models whose linear layers it can call directly: float32 or bfloat16
 weights on the panel kernel (CPUs with AVX-512 and no AMX), and GGUF blocks of any type
@@ -23,7 +26,6 @@ runner uses it for steps that are all decodes.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,32 +135,26 @@ def _callable(layer: nn.Module, dtype: torch.dtype) -> bool:
     return isinstance(layer, BlockLinear)
 
 
+# The gated MLP activations the C++ step computes (DecodeLayerSpec.activation).
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
 def unsupported(spec: DecodeModelSpec, dtype: torch.dtype) -> str | None:
     """What in `spec` the C++ step does not compute or cannot call, or None where it runs all of it."""
-    if spec.embedding_scale is not None:
-        return "scaled token embeddings"
-    if spec.final_logit_softcap:
-        return "a soft-cap of the final logits"
+    if spec.embedding_scale is not None and not spec.embedding_scale > 0:
+        return f"embedding scale {spec.embedding_scale} (the C++ step scales by a positive factor)"
     first = spec.layers[0]
     dense = [layer for layer in spec.layers if layer.experts is None]
     for index, layer in enumerate(spec.layers):
         where = f"layer {index}: "
         attention = layer.attention
-        if layer.activation != "silu":
-            return where + f"activation {layer.activation!r} (the C++ step has SiLU only)"
-        if layer.attention_out_norm is not None or layer.mlp_out_norm is not None:
-            return where + "norms of the attention's or the MLP's output"
-        if attention.softcap:
-            return where + "a soft-cap of the attention scores"
-        if not math.isclose(attention.scale, attention.head_dim**-0.5, rel_tol=1e-9):
-            return where + f"attention scale {attention.scale} (the C++ step uses head_dim ** -0.5)"
+        if layer.activation not in ACTIVATIONS:
+            return where + f"activation {layer.activation!r} (the C++ step has {', '.join(ACTIVATIONS)})"
+        if not attention.scale > 0:
+            return where + f"attention scale {attention.scale} (the C++ step takes a positive scale)"
         if (layer.q_norm is None) != (layer.k_norm is None):
             return where + "a norm of q without one of k, or of k without q"
         # The C++ step takes one of each of these for the whole model.
-        if layer.rotary is not first.rotary:
-            return where + "its rotary table differs from layer 0's"
-        if attention.sliding_window != first.attention.sliding_window:
-            return where + "its sliding window differs from layer 0's"
         if (attention.num_heads, attention.num_kv_heads, attention.head_dim) != (
             first.attention.num_heads, first.attention.num_kv_heads, first.attention.head_dim,
         ):
@@ -213,25 +209,41 @@ def fused_decoder_for(model: nn.Module, dtype: torch.dtype, device: torch.device
         return None
     first = spec.layers[0]
     no_linear: LinearSpec = ([], [], None, False)  # a layer whose MLP is experts (set below)
-    layers = [
-        (layer.input_norm, layer.q_norm, layer.k_norm, layer.mlp_norm, _linear(layer.qkv_proj),
-         _linear(layer.o_proj), _linear(layer.gate_up_proj) if layer.experts is None else no_linear,
-         _linear(layer.down_proj) if layer.experts is None else no_linear)
-        for layer in spec.layers
-    ]
+    rotaries: list[RotaryEmbedding] = []  # the distinct tables (Gemma 3: local and global)
+    layers = []
+    for layer in spec.layers:
+        if not any(layer.rotary is table for table in rotaries):
+            rotaries.append(layer.rotary)
+        dense = layer.experts is None
+        layers.append((
+            layer.input_norm, layer.q_norm, layer.k_norm, layer.mlp_norm, _linear(layer.qkv_proj),
+            _linear(layer.o_proj), _linear(layer.gate_up_proj) if dense else no_linear,
+            _linear(layer.down_proj) if dense else no_linear,
+            layer.attention_out_norm, layer.mlp_out_norm, _layer_params(layer, rotaries),
+        ))
+    # The embeddings' factor rounded to the activations' dtype first, as Gemma's forward rounds it.
+    scale = torch.tensor(spec.embedding_scale, dtype=dtype).item() if spec.embedding_scale is not None else 0.0
     attention = first.attention
-    dense = [layer for layer in spec.layers if layer.experts is None]
+    dense_layers = [layer for layer in spec.layers if layer.experts is None]
     decoder = kernels.LlamaDecoder(
         spec.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim,
-        dense[0].intermediate_size if dense else 0, spec.lm_head.out_features, spec.norm_eps, spec.final_norm,
-        _linear(spec.lm_head), layers, attention.sliding_window or 0,
+        dense_layers[0].intermediate_size if dense_layers else 0, spec.lm_head.out_features, spec.norm_eps,
+        spec.final_norm, _linear(spec.lm_head), layers, scale,
     )
     for index, layer in enumerate(spec.layers):
         if layer.qk_norm_over_all_heads:
             decoder.set_qk_norm_over_all_heads(index)
         if layer.experts is not None:
             _set_experts(decoder, index, layer.experts)
-    return FusedDecoder(decoder, spec.embedding, first.rotary)
+    return FusedDecoder(decoder, spec.embedding, rotaries, spec.final_logit_softcap)
+
+
+def _layer_params(layer: DecodeLayerSpec, rotaries: list[RotaryEmbedding]) -> tuple[float, int, float, int, str]:
+    """(scale, sliding window or 0, score soft-cap or 0, rotary table index, activation): see
+    LlamaDecoder::LayerParams in layers/csrc/llama_decode_cpu.cpp."""
+    attention = layer.attention
+    rotary = next(i for i, table in enumerate(rotaries) if table is layer.rotary)
+    return attention.scale, attention.sliding_window or 0, attention.softcap or 0.0, rotary, layer.activation
 
 
 def _set_experts(decoder: Any, index: int, experts: DecodeExpertsSpec) -> None:
@@ -248,18 +260,26 @@ def _set_experts(decoder: Any, index: int, experts: DecodeExpertsSpec) -> None:
 
 class FusedDecoder:
     """The C++ step, fed the model's own token embeddings (the table may be stored as 8-bit
-    blocks, see layers/parallel.py) and rotary angles: with the same cos/sin and the same rotation
-    code (cpu_kernels.h) the two paths rotate q and k alike."""
+    blocks, see layers/parallel.py) and rotary angles, one set per distinct table: with the same
+    cos/sin and the same rotation code (cpu_kernels.h) the two paths rotate q and k alike. The
+    final logits' soft-cap (Gemma 2) is applied here as the model's compute_logits applies it:
+    three elementwise ops, rounded alike in the logits' dtype."""
 
-    def __init__(self, decoder: Any, embedding: nn.Module, rotary: RotaryEmbedding) -> None:
+    def __init__(self, decoder: Any, embedding: nn.Module, rotaries: list[RotaryEmbedding],
+                 final_logit_softcap: float | None = None) -> None:
         self.decoder = decoder
         self.embedding = embedding
-        self.rotary = rotary
+        self.rotaries = rotaries
+        self.final_logit_softcap = final_logit_softcap
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor, kv_caches: list[torch.Tensor],
                 long_rope: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step for every row: logits [rows, vocabulary] (`long_rope`: see AttentionMetadata)."""
-        rotations = torch.view_as_real(self.rotary.rotations(positions, long_rope))
+        rotations = [torch.view_as_real(rotary.rotations(positions, long_rope)) for rotary in self.rotaries]
         embedded = self.embedding(token_ids)
-        return self.decoder.forward(embedded, rotations, slot_mapping, block_tables, context_lens, kv_caches)
+        logits = self.decoder.forward(embedded, rotations, slot_mapping, block_tables, context_lens, kv_caches)
+        cap = self.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -145,8 +145,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def fused_decode_spec(self) -> DecodeModelSpec | None:
         """Gemma's decode step, described whole (GeGLU, four norms a layer, scaled embeddings,
-        soft-caps, a window and a rotary table per kind of layer): the fused C++ step, which
-        computes none of these, refuses it by name (models/fused_decode.py)."""
+        soft-caps, a window and a rotary table per kind of layer), as the fused C++ step
+        (models/fused_decode.py) computes it."""
         config = self.config
         return DecodeModelSpec(
             embedding=self.model.embed_tokens,

@@ -1,4 +1,4 @@
-// A whole decode step of a Llama-family model in one C++ call, on the CPU.
+// A whole decode step of a Llama-family, Gemma 2/3 or mixture-of-experts model in one C++ call, on the CPU.
 //
 // Run op by op from Python, a 30-layer model's decode step is ~400 PyTorch operations, and at a
 // few tokens per step their dispatch costs more than their arithmetic (about 5 ms of a token).
@@ -6,13 +6,18 @@
 // looked up: per layer RMSNorm, the q/k/v projection (+ biases, Qwen2; + q/k RMSNorm, Qwen3),
 // rotary on adjacent pairs, the new K/V written to their slots, paged attention
 // (paged_attention_cpu.cpp), the output projection, the residual, RMSNorm, gate/up, SiLU * up,
-// down, the residual; then the final norm and the LM head.
+// down, the residual; then the final norm and the LM head. Gemma's differences are per-layer
+// fields: its own attention scale, sliding window, score soft-cap and rotary table, norms of the
+// attention's and the MLP's outputs, GeGLU for SwiGLU; and its embeddings times sqrt(hidden). A
+// mixture-of-experts layer (Mixtral, Qwen2/3-MoE, OLMoE) has a router and experts for its MLP:
+// each row's top-k experts run over the rows that chose them (on GGUF blocks, all of a step's
+// chosen experts' products in one parallel region).
 //
 // The activations are float32, or bfloat16 for a bfloat16 model, rounded where the op-by-op path
 // rounds them: every step calls the same row functions (cpu_kernels.h) and the same linear
 // kernels, GGUF-typed blocks (gguf_linear_cpu.cpp, float32 activations) or weights packed in panels
 // (panel_linear_cpu.cpp), so the two paths agree up to summation order (attention splits its sums
-// as it does op by op; a Qwen3 q/k norm runs in PyTorch there).
+// as it does op by op; a Qwen3 or Gemma 3 q/k norm runs in PyTorch there).
 
 #include <torch/extension.h>
 
@@ -22,6 +27,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -145,10 +151,16 @@ struct SparseMlp {
 };
 
 struct Layer {
-  torch::Tensor attn_norm, q_norm, k_norm, mlp_norm;  // q_norm, k_norm: Qwen3 only
+  torch::Tensor attn_norm, q_norm, k_norm, mlp_norm;  // q_norm, k_norm: Qwen3, Gemma 3
+  torch::Tensor attn_out_norm, mlp_out_norm;          // Gemma: norms of the sub-layers' outputs, or undefined
   bool qk_norm_over_all_heads = false;  // OLMoE: one norm over all of q (and of k), not one per head
-  DecodeLinear qkv, o, gate_up, down;   // gate_up, down: a dense MLP's, or undefined (experts)
+  DecodeLinear qkv, o, gate_up, down;  // gate_up, down: a dense MLP's, or undefined (experts)
   std::optional<SparseMlp> experts;
+  float scale = 0.0f;    // of the attention scores
+  int64_t window = 0;    // sliding window, 0: none
+  float softcap = 0.0f;  // of the attention scores (Gemma 2), 0: none
+  int64_t rotary = 0;    // which of the step's rotation tables q and k rotate with
+  bool gelu = false;     // GeGLU (GELU, tanh approximation) rather than SwiGLU
 };
 
 // Each row's chosen experts and their weights (as the activations' dtype rounds them): softmax over
@@ -191,21 +203,83 @@ void add_weighted(T* out, const T* y, float weight, int64_t hidden) {
   }
 }
 
+// GELU, tanh approximation, in float: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), written
+// as PyTorch's CPU kernel writes it (the scalar tail; the vector body below has the same order).
+inline float gelu_tanh(float x) {
+  constexpr float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+  const float inner = beta * (x + kappa * (x * x * x));
+  return 0.5f * x * (1.0f + std::tanh(inner));
+}
+
+// Rows begin .. end of in [rows, 2 * width] (gate, then up): out = GELU(gate) * up, rounded as the
+// op-by-op path (layers/activation.py: gelu_tanh_and_mul, F.gelu then a product) rounds them:
+// the GELU in float rounded to the storage type, then the product rounded again. On AVX-512 with
+// Sleef's tanh, as PyTorch's vectorised kernel takes it.
+template <typename T>
+void gelu_tanh_and_mul_rows(const T* __restrict in, T* __restrict out, int64_t width, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* __restrict gate = in + r * 2 * width;
+    const T* __restrict up = gate + width;
+    T* __restrict dst = out + r * width;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 beta = _mm512_set1_ps(static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5));
+    const __m512 kappa = _mm512_set1_ps(0.044715f), half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= width; i += 16) {
+      const __m512 x = roseinfer::load16(gate + i);
+      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+      const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, cube)));
+      const __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, Sleef_tanhf16_u10(inner)));
+      roseinfer::store16(dst + i, _mm512_mul_ps(roseinfer::rounded_to<T>(gelu), roseinfer::load16(up + i)));
+    }
+#endif
+    for (; i < width; ++i) {
+      T rounded;
+      roseinfer::store_float(&rounded, gelu_tanh(roseinfer::load_float(gate + i)));
+      roseinfer::store_float(dst + i, roseinfer::load_float(&rounded) * roseinfer::load_float(up + i));
+    }
+  }
+}
+
+// The gated MLP's activation over all rows, in parallel: GeGLU or SwiGLU.
+template <typename T>
+void gated_activation_in_parallel(bool gelu, const T* in, T* out, int64_t width, int64_t rows) {
+  if (!gelu) return roseinfer::silu_and_mul_in_parallel(in, out, width, rows);
+  at::parallel_for(0, rows, roseinfer::kActivationRowsPerTask,
+                   [&](int64_t begin, int64_t end) { gelu_tanh_and_mul_rows<T>(in, out, width, begin, end); });
+}
+
+// x [rows, dim] normed by `weight` (Gemma's norm of a sub-layer's output) into `scratch`, which
+// is returned; x itself where there is no such norm (undefined weight).
+template <typename T>
+const T* output_norm(const torch::Tensor& weight, const T* x, T* scratch, int64_t rows, int64_t dim, float eps) {
+  if (!weight.defined()) return x;
+  roseinfer::norm_rows_in_parallel(x, weight.data_ptr<T>(), scratch, rows, dim, eps);
+  return scratch;
+}
+
 }  // namespace
 
 class LlamaDecoder {
  public:
   // vocab: the LM head's rows (this rank's). final_norm's dtype is the activations' (float32 or
   // bfloat16); the layers' tensors: see LlamaDecoder in models/fused_decode.py.
-  // (attn_norm, q_norm or None, k_norm or None, mlp_norm, qkv, o, gate_up, down): see models/fused_decode.py.
+  // A layer's attention and MLP parameters: (scale, sliding window or 0, score soft-cap or 0,
+  // index of its rotation table, activation "silu" | "gelu_tanh").
+  using LayerParams = std::tuple<double, int64_t, double, int64_t, std::string>;
+  // (attn_norm, q_norm or None, k_norm or None, mlp_norm, qkv, o, gate_up, down, attn_out_norm or
+  // None, mlp_out_norm or None, params): see models/fused_decode.py.
   using LayerSpec = std::tuple<torch::Tensor, OptTensor, OptTensor, torch::Tensor, LinearSpec, LinearSpec, LinearSpec,
-                               LinearSpec>;
+                               LinearSpec, OptTensor, OptTensor, LayerParams>;
 
+  // embedding_scale: the token embeddings' factor, already rounded to the activations' dtype
+  // (Gemma), or 0: none.
   LlamaDecoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, int64_t vocab,
                double eps, torch::Tensor final_norm, LinearSpec head, std::vector<LayerSpec> layers,
-               int64_t sliding_window)
+               double embedding_scale)
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate),
-        window_(sliding_window), eps_(static_cast<float>(eps)), dtype_(final_norm.scalar_type()) {
+        embedding_scale_(static_cast<float>(embedding_scale)), eps_(static_cast<float>(eps)),
+        dtype_(final_norm.scalar_type()) {
     TORCH_CHECK(dtype_ == torch::kFloat || dtype_ == torch::kBFloat16, "activations must be float32 or bfloat16, not ",
                 dtype_);
     final_norm_ = final_norm.contiguous();
@@ -213,12 +287,17 @@ class LlamaDecoder {
     head_ = DecodeLinear(head, vocab, hidden, dtype_, "the LM head");
     auto norm = [&](const torch::Tensor& t) { return t.contiguous().to(dtype_); };
     for (const auto& spec : layers) {
-      const auto& [attn_norm, q_norm, k_norm, mlp_norm, qkv, o, gate_up, down] = spec;
+      const auto& [attn_norm, q_norm, k_norm, mlp_norm, qkv, o, gate_up, down, attn_out_norm, mlp_out_norm, params] =
+          spec;
       Layer layer;
       layer.attn_norm = norm(attn_norm);
+      TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "a q norm needs a k norm, and a k norm a q norm");
       if (q_norm) layer.q_norm = norm(*q_norm);
       if (k_norm) layer.k_norm = norm(*k_norm);
       layer.mlp_norm = norm(mlp_norm);
+      if (attn_out_norm) layer.attn_out_norm = norm(*attn_out_norm);
+      if (mlp_out_norm) layer.mlp_out_norm = norm(*mlp_out_norm);
+      set_params(layer, params);
       layer.qkv = DecodeLinear(qkv, qkv_size, hidden, dtype_, "qkv_proj");
       layer.o = DecodeLinear(o, hidden, heads * head_dim, dtype_, "o_proj");
       if (!std::get<0>(gate_up).empty()) {  // else a sparse MLP, given by set_sparse_mlp
@@ -268,13 +347,17 @@ class LlamaDecoder {
     layers_[index].qk_norm_over_all_heads = true;
   }
 
-  // embedded [B, hidden] of the activations' dtype: the rows' token embeddings; slot_mapping,
-  // context_lens [B] int64; rotations [B, ..., head_dim / 2, 2] float32: (cos, sin) of each row's
-  // rotary angles, as models/rotary.py computes them; block_tables [B, max_blocks] int64;
+  // How many rotation tables forward takes: one per index the layers name.
+  int64_t rotary_tables() const { return rotary_tables_; }
+
+  // embedded [B, hidden] of the activations' dtype: the rows' token embeddings (unscaled);
+  // slot_mapping, context_lens [B] int64; rotations: per table (rotary_tables()) [B, ...,
+  // head_dim / 2, 2] float32: (cos, sin) of each row's rotary angles, as models/rotary.py computes
+  // them; block_tables [B, max_blocks] int64;
   // kv_caches: per layer [2, blocks, block_size, kv_heads, head_dim] (float32, 16-bit or q8_0 for a
   // float32 model; bfloat16 or q8_0 for a bfloat16 one). -> logits [B, vocab], float32 from blocks,
   // else of the activations' dtype (as the op-by-op LM head returns them).
-  torch::Tensor forward(torch::Tensor embedded, torch::Tensor rotations, torch::Tensor slot_mapping,
+  torch::Tensor forward(torch::Tensor embedded, std::vector<torch::Tensor> rotations, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor context_lens, std::vector<torch::Tensor> kv_caches) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV pool per layer");
     for (size_t l = 0; l < layers_.size(); ++l)
@@ -282,18 +365,22 @@ class LlamaDecoder {
     embedded = embedded.contiguous();
     TORCH_CHECK(embedded.scalar_type() == dtype_ && embedded.dim() == 2 && embedded.size(1) == hidden_,
                 "embedded: [B, hidden] of the model's dtype (", dtype_, ")");
-    rotations = rotations.contiguous();
-    TORCH_CHECK(rotations.scalar_type() == torch::kFloat && rotations.numel() == embedded.size(0) * head_dim_,
-                "rotations: [B, head_dim / 2, 2] float32");
-    Step step{rotations.data_ptr<float>(), slot_mapping.contiguous(), block_tables.contiguous(),
-              context_lens.contiguous()};
+    TORCH_CHECK(static_cast<int64_t>(rotations.size()) == rotary_tables_, "one rotation tensor per table (",
+                rotary_tables_, "), not ", rotations.size());
+    Step step{{}, slot_mapping.contiguous(), block_tables.contiguous(), context_lens.contiguous()};
+    for (auto& table : rotations) {
+      table = table.contiguous();
+      TORCH_CHECK(table.scalar_type() == torch::kFloat && table.numel() == embedded.size(0) * head_dim_,
+                  "rotations: [B, head_dim / 2, 2] float32 per table");
+      step.rotations.push_back(table.data_ptr<float>());
+    }
     if (dtype_ == torch::kFloat) return run<float>(embedded, step, kv_caches);
     return run<c10::BFloat16>(embedded, step, kv_caches);
   }
 
  private:
   struct Step {
-    const float* rotations;
+    std::vector<const float*> rotations;  // per table
     torch::Tensor slots, tables, lens;
   };
 
@@ -305,12 +392,14 @@ class LlamaDecoder {
     std::vector<T> residual(rows, rows + B * H), normed(B * H), qkv(B * qkv_size), attn(B * q_size),
         mlp(B * 2 * I), act(B * I), out(B * H);
     std::vector<float> xs, os;  // float32 scratch for a bfloat16 model's blocked layers
+    if (embedding_scale_ != 0.0f) scale_rows(residual.data(), B * H);
+    const T* layer_out = out.data();  // the previous layer's output (its MLP's, normed or not)
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
       if (l == 0) {
         roseinfer::norm_rows_in_parallel(residual.data(), layer.attn_norm.data_ptr<T>(), normed.data(), B, H, eps_);
       } else {
-        roseinfer::add_and_norm_rows_in_parallel(residual.data(), out.data(), layer.attn_norm.data_ptr<T>(),
+        roseinfer::add_and_norm_rows_in_parallel(residual.data(), layer_out, layer.attn_norm.data_ptr<T>(),
                                                  normed.data(), B, H, eps_);
       }
       layer.qkv.apply(normed.data(), B, qkv.data(), xs, os);
@@ -328,23 +417,27 @@ class LlamaDecoder {
             roseinfer::norm_rows<T>(copy.data(), layer.k_norm.data_ptr<T>(), k, 0, whole ? 1 : kv_heads_,
                                     whole ? kv_size : D, eps_);
           }
-          roseinfer::rotate_heads(q, heads_, D, step.rotations + b * D);
-          roseinfer::rotate_heads(k, kv_heads_, D, step.rotations + b * D);
+          const float* rotation = step.rotations[layer.rotary] + b * D;
+          roseinfer::rotate_heads(q, heads_, D, rotation);
+          roseinfer::rotate_heads(k, kv_heads_, D, rotation);
         }
       });
-      attend(qkv.data(), attn.data(), B, kv_caches[l], step);
+      attend(qkv.data(), attn.data(), B, kv_caches[l], step, layer);
       layer.o.apply(attn.data(), B, out.data(), xs, os);
-      roseinfer::add_and_norm_rows_in_parallel(residual.data(), out.data(), layer.mlp_norm.data_ptr<T>(),
-                                               normed.data(), B, H, eps_);
+      // normed is free here (the projections have read it): the scratch of the output norms.
+      roseinfer::add_and_norm_rows_in_parallel(residual.data(),
+                                               output_norm(layer.attn_out_norm, out.data(), normed.data(), B, H, eps_),
+                                               layer.mlp_norm.data_ptr<T>(), normed.data(), B, H, eps_);
       if (layer.experts) {
         sparse_mlp(*layer.experts, normed.data(), B, out.data(), xs, os);
       } else {
         layer.gate_up.apply(normed.data(), B, mlp.data(), xs, os);
-        roseinfer::silu_and_mul_in_parallel(mlp.data(), act.data(), I, B);
+        gated_activation_in_parallel(layer.gelu, mlp.data(), act.data(), I, B);
         layer.down.apply(act.data(), B, out.data(), xs, os);
       }
+      layer_out = output_norm(layer.mlp_out_norm, out.data(), normed.data(), B, H, eps_);
     }
-    roseinfer::add_and_norm_rows_in_parallel(residual.data(), out.data(), final_norm_.data_ptr<T>(), normed.data(), B,
+    roseinfer::add_and_norm_rows_in_parallel(residual.data(), layer_out, final_norm_.data_ptr<T>(), normed.data(), B,
                                              H, eps_);
     // Logits of the activations' dtype, as the op-by-op LM head returns them.
     torch::Tensor logits = torch::empty({B, head_.N}, torch::dtype(kDtype<T>));
@@ -468,13 +561,12 @@ class LlamaDecoder {
   // Each row's new key and value written to its slot, then its attention over the pool: qkv [B,
   // q | k | v] -> out [B, q_size].
   template <typename T>
-  void attend(const T* qkv, T* out, int64_t B, const torch::Tensor& pool, const Step& step) const {
+  void attend(const T* qkv, T* out, int64_t B, const torch::Tensor& pool, const Step& step, const Layer& layer) const {
     const int64_t D = head_dim_, q_size = heads_ * D, kv_size = kv_heads_ * D, qkv_size = q_size + 2 * kv_size;
     const int64_t* slots = step.slots.data_ptr<int64_t>();
     const int64_t* tables = step.tables.data_ptr<int64_t>();
     const int64_t* lens = step.lens.data_ptr<int64_t>();
     const int64_t max_blocks = step.tables.size(1), block_size = pool.size(2), pool_half = pool.numel() / 2;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     auto run = [&](auto* keys) {  // keys, then values, in one pool
       using cache_t = std::remove_pointer_t<decltype(keys)>;
       const int64_t row = roseinfer::kv_row_elements<cache_t>(D);
@@ -491,8 +583,8 @@ class LlamaDecoder {
           }
           roseinfer::paged_attention_sequence<T, cache_t>(qkv + b * qkv_size, keys, keys + pool_half,
                                                           tables + b * max_blocks, lens[b], heads_, kv_heads_,
-                                                          block_size, D, scale, out + b * q_size, scores, work,
-                                                          window_);
+                                                          block_size, D, layer.scale, out + b * q_size, scores, work,
+                                                          layer.window, layer.softcap);
         }
       });
     };
@@ -507,8 +599,35 @@ class LlamaDecoder {
     TORCH_CHECK(false, "a ", kDtype<T>, " model's KV pool cannot be ", type);
   }
 
+  // Checks and sets a layer's attention and activation parameters.
+  void set_params(Layer& layer, const LayerParams& params) {
+    const auto& [scale, window, softcap, rotary, activation] = params;
+    TORCH_CHECK(scale > 0 && window >= 0 && softcap >= 0, "attention scale ", scale, ", window ", window,
+                ", soft-cap ", softcap, ": the scale must be positive, the others not negative");
+    TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "activation ", activation,
+                ": the fused step has silu and gelu_tanh");
+    TORCH_CHECK(rotary >= 0, "a rotation table's index cannot be negative");
+    layer.scale = static_cast<float>(scale);
+    layer.window = window;
+    layer.softcap = static_cast<float>(softcap);
+    layer.rotary = rotary;
+    layer.gelu = activation == "gelu_tanh";
+    rotary_tables_ = std::max(rotary_tables_, rotary + 1);
+  }
+
+  // In place: x *= the embedding scale, in the activations' dtype (as `embedded * scale` in
+  // PyTorch, the scale already of that dtype).
+  template <typename T>
+  void scale_rows(T* x, int64_t n) const {
+    at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        roseinfer::store_float(x + i, roseinfer::load_float(x + i) * embedding_scale_);
+    });
+  }
+
   int64_t hidden_, heads_, kv_heads_, head_dim_, intermediate_;
-  int64_t window_;  // every layer's sliding window (Mistral, Qwen2), 0: none
+  float embedding_scale_;  // Gemma's sqrt(hidden), of the activations' dtype; 0: none
+  int64_t rotary_tables_ = 0;
   float eps_;
   c10::ScalarType dtype_;
   torch::Tensor final_norm_;
@@ -519,7 +638,8 @@ class LlamaDecoder {
 void bind_llama_decoder(pybind11::module& m) {
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, LinearSpec,
-                          std::vector<LlamaDecoder::LayerSpec>, int64_t>())
+                          std::vector<LlamaDecoder::LayerSpec>, double>())
+      .def("rotary_tables", &LlamaDecoder::rotary_tables, "how many rotation tensors forward takes")
       .def("set_sparse_mlp", &LlamaDecoder::set_sparse_mlp, "a layer's MLP is a mixture of experts")
       .def("set_qk_norm_over_all_heads", &LlamaDecoder::set_qk_norm_over_all_heads,
            "a layer's q/k norms each span all heads (OLMoE)")
