@@ -375,37 +375,42 @@ struct Q6_Kx8 {
       prefetch_unit<kBytes>(unit);
       __m512i sums[T], offsets[T];
       for (int t = 0; t < T; ++t) sums[t] = offsets[t] = _mm512_setzero_si512();
+      // The 16 runs' scales, each as words (word w: row w / 4), built once a unit: each serves two
+      // chunks of codes and the run's offset.
+      __m512i scales[16];
+      for (int run = 0; run < 16; ++run)
+        scales[run] = _mm512_permutexvar_epi16(
+            word_row, _mm512_castsi128_si512(_mm_cvtepi8_epi16(
+                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit + kScales + run * kRows)))));
       for (int h = 0; h < 2; ++h)
         for (int c = 0; c < 4; ++c) {
           const __m512i l0 = _mm512_loadu_si512(unit + kLow + (h * 8 + c) * 64);
           const __m512i l1 = _mm512_loadu_si512(unit + kLow + (h * 8 + c + 4) * 64);
           const __m512i q = _mm512_loadu_si512(unit + kHigh + (h * 4 + c) * 64);
-          // Values h*128 + 32 s + 8 c .. for s = 0..3: codes 0..63 (the value + 32).
+          // Values h*128 + 32 s + 8 c .. for s = 0..3: codes 0..63 (the value + 32). (A ternary
+          // logic op: the low nibble | (the high bits & 0x30).)
           const __m512i codes[4] = {
-              _mm512_or_si512(_mm512_and_si512(l0, nibble), _mm512_and_si512(_mm512_slli_epi16(q, 4), bits)),
-              _mm512_or_si512(_mm512_and_si512(l1, nibble), _mm512_and_si512(_mm512_slli_epi16(q, 2), bits)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), nibble), _mm512_and_si512(q, bits)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), nibble),
-                              _mm512_and_si512(_mm512_srli_epi16(q, 2), bits)),
+              _mm512_ternarylogic_epi32(_mm512_and_si512(l0, nibble), _mm512_slli_epi16(q, 4), bits, 0xF8),
+              _mm512_ternarylogic_epi32(_mm512_and_si512(l1, nibble), _mm512_slli_epi16(q, 2), bits, 0xF8),
+              _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l0, 4), nibble), q, bits, 0xF8),
+              _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l1, 4), nibble), _mm512_srli_epi16(q, 2),
+                                        bits, 0xF8),
           };
           for (int s = 0; s < 4; ++s) {
-            const int run = h * 8 + s * 2 + c / 2;  // runs of 16 values
-            const __m512i sc = _mm512_permutexvar_epi16(
-                word_row, _mm512_castsi128_si512(_mm_cvtepi8_epi16(
-                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit + kScales + run * kRows)))));
+            const __m512i sc = scales[h * 8 + s * 2 + c / 2];  // runs of 16 values
             for (int t = 0; t < T; ++t) {
               const int8_t* xq = a.q + (m0 + t) * a.q_stride + u * 256 + h * 128 + s * 32 + c * 8;
               sums[t] = _mm512_dpwssd_epi32(sums[t], _mm512_maddubs_epi16(codes[s], broadcast8(xq)), sc);
             }
           }
         }
-      // The codes carry +32: 32 * scale * (run's activation code sum) comes off, once per row.
-      for (int run = 0; run < 16; ++run) {
-        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit + kScales + run * kRows));
-        const __m512i sc = _mm512_cvtepi8_epi32(_mm_unpacklo_epi8(v, _mm_setzero_si128()));
-        for (int t = 0; t < T; ++t)
-          offsets[t] = _mm512_add_epi32(
-              offsets[t], _mm512_mullo_epi32(sc, _mm512_set1_epi32(a.sums[(m0 + t) * a.sums_stride + u * 16 + run])));
+      // The codes carry +32: 32 * scale * (run's activation code sum) comes off, once per row: the
+      // sum in the first word of each row's four (words 4r), so lane 2r takes it and 2r + 1 none.
+      for (int t = 0; t < T; ++t) {
+        const int16_t* run_sums = a.sums + (m0 + t) * a.sums_stride + u * 16;
+        for (int run = 0; run < 16; ++run)
+          offsets[t] = _mm512_dpwssd_epi32(offsets[t], scales[run],
+                                           _mm512_set1_epi64(static_cast<uint16_t>(run_sums[run])));
       }
       const __m512 d = row_pairs(unit);
       for (int t = 0; t < T; ++t) {
