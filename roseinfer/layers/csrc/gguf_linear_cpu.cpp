@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <string>
 #include <tuple>
@@ -183,6 +184,20 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, Activatio
 // Weight rows per parallel task: enough to amortise a task, few enough to keep every core busy.
 int64_t grain(int64_t N) { return std::max<int64_t>(8, N / (8 * at::get_num_threads())); }
 
+// f(task) for tasks 0 .. tasks - 1, the threads taking them in turn from a shared counter: a
+// thread that runs slower (a core the VM shares, memory further away) takes fewer, where equal
+// shares fixed up front kept the others waiting for it at the end of every product.
+template <typename F>
+void run_tasks(int64_t tasks, F&& f) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tasks;
+         t = next.fetch_add(1, std::memory_order_relaxed))
+      f(t);
+  });
+}
+
 // Tiles of 4, 2 and 1 rows of x over weight rows [n0, n1): f(tile, m, n, results); row m of the
 // output starts at out + m * ldo.
 template <typename F>
@@ -243,9 +258,8 @@ void dot_matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
   thread_local ActivationBuffers buffers;
   const Activations a = quantize_activations<Tr>(x, M, K, buffers);  // read by the pool's threads
   const int64_t units = units_of<Tr>(K), together = rows_together<Tr>();
-  at::parallel_for(0, N / together, std::max<int64_t>(1, grain(N) / together), [&](int64_t g0, int64_t g1) {
-    dot_rows<Tr>(a, M, units, w, g0 * together, g1 * together, out, ldo);
-  });
+  const int64_t step = std::max<int64_t>(1, grain(N) / together) * together, tasks = (N + step - 1) / step;
+  run_tasks(tasks, [&](int64_t t) { dot_rows<Tr>(a, M, units, w, t * step, std::min(N, (t + 1) * step), out, ldo); });
 }
 #endif
 
@@ -459,15 +473,13 @@ void gguf_matmul_group(const std::vector<GgufProduct>& products, bool exact) {
       });
       for (int64_t n0 = 0; n0 < p.N; n0 += kTaskRows) tasks.push_back({i, n0, std::min(p.N, n0 + kTaskRows)});
     }
-    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const Task& task = tasks[t];
-        const GgufProduct& p = products[task.product];
-        dispatch(p.type, [&](auto traits) {
-          using Tr = decltype(traits);
-          dot_rows<Tr>(activations[task.product], p.M, units_of<Tr>(p.K), p.w, task.n0, task.n1, p.out, p.ldo);
-        });
-      }
+    run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
+      const Task& task = tasks[t];
+      const GgufProduct& p = products[task.product];
+      dispatch(p.type, [&](auto traits) {
+        using Tr = decltype(traits);
+        dot_rows<Tr>(activations[task.product], p.M, units_of<Tr>(p.K), p.w, task.n0, task.n1, p.out, p.ldo);
+      });
     });
     return;
   }
