@@ -271,15 +271,6 @@ void add_and_norm_rows_in_parallel(scalar_t* residual, const scalar_t* x, const 
   });
 }
 
-// SiLU in float, x / (1 + exp(-x)), rounded to the storage type: the scalar tail of a row (and
-// every element on builds without AVX-512), where PyTorch's kernel also takes the scalar exp.
-template <typename scalar_t>
-inline float silu_rounded(float g) {
-  scalar_t silu;
-  store_float(&silu, g / (1.0f + std::exp(-g)));
-  return load_float(&silu);
-}
-
 #if defined(__AVX512F__)
 // v rounded to scalar_t's precision (nearest even), kept as floats.
 template <typename scalar_t>
@@ -294,39 +285,72 @@ inline __m512 rounded_to(__m512 v) {
 }
 #endif
 
-// Rows begin .. end of in [rows, 2 * width] (gate, then up): out [rows, width] = SiLU(gate) * up,
-// rounded as PyTorch's op-by-op path rounds them: the SiLU in float, rounded to the storage type,
-// then the product in float, rounded again; on AVX-512 builds with the same exp, so bit for bit.
-template <typename scalar_t>
-void silu_and_mul_rows(const scalar_t* __restrict in, scalar_t* __restrict out, int64_t width, int64_t begin,
-                       int64_t end) {
+// The gate activations of gated MLPs, each as PyTorch's CPU kernel computes it in float: `vector`
+// on AVX-512 builds (the same Sleef calls as PyTorch's vectorised kernels, so bit for bit) and
+// `scalar` for a row's tail (and every element elsewhere), where PyTorch takes the scalar libm call.
+struct Silu {  // x / (1 + exp(-x))
+#if defined(__AVX512F__)
+  static __m512 vector(__m512 x) {
+    // (A division with an explicit rounding mode: -ffast-math would make a plain one an
+    // approximate reciprocal, which rounds differently.)
+    const __m512 one = _mm512_set1_ps(1.0f);
+    return _mm512_div_round_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x))),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+#endif
+  static float scalar(float x) { return x / (1.0f + std::exp(-x)); }
+};
+
+struct GeluTanh {  // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in PyTorch's order
+  static constexpr float kBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kKappa = 0.044715f;
+#if defined(__AVX512F__)
+  static __m512 vector(__m512 x) {
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(kBeta), _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(kKappa), cube)));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.0f), Sleef_tanhf16_u10(inner)));
+  }
+#endif
+  static float scalar(float x) { return 0.5f * x * (1.0f + std::tanh(kBeta * (x + kKappa * (x * x * x)))); }
+};
+
+// Rows begin .. end of in [rows, 2 * width] (gate, then up): out [rows, width] = Act(gate) * up,
+// rounded as PyTorch's op-by-op path rounds them: the activation in float, rounded to the storage
+// type (as its separate kernel leaves it), then the product in float, rounded again.
+template <typename Act, typename scalar_t>
+void gated_rows(const scalar_t* __restrict in, scalar_t* __restrict out, int64_t width, int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
     const scalar_t* __restrict gate = in + r * 2 * width;
     const scalar_t* __restrict up = gate + width;
     scalar_t* __restrict dst = out + r * width;
     int64_t i = 0;
 #if defined(__AVX512F__)
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (; i + 16 <= width; i += 16) {
-      const __m512 g = load16(gate + i);
-      // PyTorch's vectorised SiLU takes Sleef's exp (1-ulp); the same call gives the same bits.
-      // (A division with an explicit rounding mode: -ffast-math would make a plain one an
-      // approximate reciprocal, which rounds differently.)
-      const __m512 silu = _mm512_div_round_ps(g, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g))),
-                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      // The SiLU rounded to the storage type, as PyTorch's separate kernel leaves it.
-      store16(dst + i, _mm512_mul_ps(rounded_to<scalar_t>(silu), load16(up + i)));
-    }
+    for (; i + 16 <= width; i += 16)
+      store16(dst + i, _mm512_mul_ps(rounded_to<scalar_t>(Act::vector(load16(gate + i))), load16(up + i)));
 #endif
-    for (; i < width; ++i) store_float(dst + i, silu_rounded<scalar_t>(load_float(gate + i)) * load_float(up + i));
+    for (; i < width; ++i) {
+      scalar_t activated;
+      store_float(&activated, Act::scalar(load_float(gate + i)));
+      store_float(dst + i, load_float(&activated) * load_float(up + i));
+    }
   }
 }
 
-// silu_and_mul_rows over all rows, in parallel.
+// gated_rows over all rows, in parallel: SwiGLU, or GeGLU (tanh approximation) where `gelu`.
+template <typename scalar_t>
+void gated_activation_in_parallel(const scalar_t* in, scalar_t* out, int64_t width, int64_t rows, bool gelu = false) {
+  at::parallel_for(0, rows, kActivationRowsPerTask, [&](int64_t begin, int64_t end) {
+    if (gelu) {
+      gated_rows<GeluTanh>(in, out, width, begin, end);
+    } else {
+      gated_rows<Silu>(in, out, width, begin, end);
+    }
+  });
+}
+
+// SiLU(gate) * up over all rows, in parallel.
 template <typename scalar_t>
 void silu_and_mul_in_parallel(const scalar_t* in, scalar_t* out, int64_t width, int64_t rows) {
-  at::parallel_for(0, rows, kActivationRowsPerTask,
-                   [&](int64_t begin, int64_t end) { silu_and_mul_rows<scalar_t>(in, out, width, begin, end); });
+  gated_activation_in_parallel(in, out, width, rows);
 }
 
 }  // namespace roseinfer

@@ -203,52 +203,6 @@ void add_weighted(T* out, const T* y, float weight, int64_t hidden) {
   }
 }
 
-// GELU, tanh approximation, in float: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), written
-// as PyTorch's CPU kernel writes it (the scalar tail; the vector body below has the same order).
-inline float gelu_tanh(float x) {
-  constexpr float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
-  const float inner = beta * (x + kappa * (x * x * x));
-  return 0.5f * x * (1.0f + std::tanh(inner));
-}
-
-// Rows begin .. end of in [rows, 2 * width] (gate, then up): out = GELU(gate) * up, rounded as the
-// op-by-op path (layers/activation.py: gelu_tanh_and_mul, F.gelu then a product) rounds them:
-// the GELU in float rounded to the storage type, then the product rounded again. On AVX-512 with
-// Sleef's tanh, as PyTorch's vectorised kernel takes it.
-template <typename T>
-void gelu_tanh_and_mul_rows(const T* __restrict in, T* __restrict out, int64_t width, int64_t begin, int64_t end) {
-  for (int64_t r = begin; r < end; ++r) {
-    const T* __restrict gate = in + r * 2 * width;
-    const T* __restrict up = gate + width;
-    T* __restrict dst = out + r * width;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512 beta = _mm512_set1_ps(static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5));
-    const __m512 kappa = _mm512_set1_ps(0.044715f), half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
-    for (; i + 16 <= width; i += 16) {
-      const __m512 x = roseinfer::load16(gate + i);
-      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-      const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, cube)));
-      const __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, Sleef_tanhf16_u10(inner)));
-      roseinfer::store16(dst + i, _mm512_mul_ps(roseinfer::rounded_to<T>(gelu), roseinfer::load16(up + i)));
-    }
-#endif
-    for (; i < width; ++i) {
-      T rounded;
-      roseinfer::store_float(&rounded, gelu_tanh(roseinfer::load_float(gate + i)));
-      roseinfer::store_float(dst + i, roseinfer::load_float(&rounded) * roseinfer::load_float(up + i));
-    }
-  }
-}
-
-// The gated MLP's activation over all rows, in parallel: GeGLU or SwiGLU.
-template <typename T>
-void gated_activation_in_parallel(bool gelu, const T* in, T* out, int64_t width, int64_t rows) {
-  if (!gelu) return roseinfer::silu_and_mul_in_parallel(in, out, width, rows);
-  at::parallel_for(0, rows, roseinfer::kActivationRowsPerTask,
-                   [&](int64_t begin, int64_t end) { gelu_tanh_and_mul_rows<T>(in, out, width, begin, end); });
-}
-
 // x [rows, dim] normed by `weight` (Gemma's norm of a sub-layer's output) into `scratch`, which
 // is returned; x itself where there is no such norm (undefined weight).
 template <typename T>
@@ -432,7 +386,7 @@ class LlamaDecoder {
         sparse_mlp(*layer.experts, normed.data(), B, out.data(), xs, os);
       } else {
         layer.gate_up.apply(normed.data(), B, mlp.data(), xs, os);
-        gated_activation_in_parallel(layer.gelu, mlp.data(), act.data(), I, B);
+        roseinfer::gated_activation_in_parallel(mlp.data(), act.data(), I, B, layer.gelu);
         layer.down.apply(act.data(), B, out.data(), xs, os);
       }
       layer_out = output_norm(layer.mlp_out_norm, out.data(), normed.data(), B, H, eps_);
