@@ -170,7 +170,10 @@ def test_what_the_description_says_and_the_step_cannot_compute_is_refused_by_nam
     refusals = {
         "layer 0: activation 'relu'": with_layer(activation="relu"),
         "layer 0: a norm of q without one of k": with_layer(q_norm=first.input_norm[: first.attention.head_dim]),
-        "layer 1: its shapes differ from layer 0's": with_layer(1, intermediate_size=2 * first.intermediate_size),
+        "layer 1: its shapes differ from layer 0's": with_layer(
+            1, attention=dataclasses.replace(first.attention, num_heads=2 * first.attention.num_heads)),
+        "layer 1: its MLP's width differs from the first dense MLP's": with_layer(
+            1, intermediate_size=2 * first.intermediate_size),
         "layer 1: its norms' eps differs from the final norm's": with_layer(1, norm_eps=2 * first.norm_eps),
         "layer 0: attention scale 0.0": with_layer(attention=dataclasses.replace(first.attention, scale=0.0)),
     }
