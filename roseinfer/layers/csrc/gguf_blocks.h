@@ -88,6 +88,9 @@ struct Activations {
   const float* s;         // per 32 values (Q8_0-like): d * sum of the block's codes
   const int32_t* sums32;  // per 32 values (Q8_0-like): sum of the block's codes
   const int16_t* sums;    // per 16 values, natural order (Q8_K-like)
+  // Per 32 values (Q8_K-like), each sum followed by a 0: four of them are the 64 bits a VPDPWSSD
+  // broadcasts against two runs' minimums (see KQuantX8); the same stride as `sums`.
+  const int16_t* run_sums;
   int64_t q_stride, d_stride, sums_stride;
 };
 

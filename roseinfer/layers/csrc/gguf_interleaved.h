@@ -47,14 +47,6 @@ inline __m512 row_pairs(const uint8_t* halves) {
                                _mm512_castps256_ps512(v));
 }
 
-// 8 unsigned bytes (one per row) as 16 int32 lanes: both lanes of a row (`both`), or its first
-// lane only (the second 0), for a term to be counted once per row.
-template <bool both>
-inline __m512i row_bytes(const uint8_t* p) {
-  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(v, both ? v : _mm_setzero_si128()));
-}
-
 // The 8 row results of lanes (2r, 2r + 1) summed, stored to out[0..7].
 inline void store_rows(__m512 acc, float* out) {
   const __m512 sum = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0xB1));  // each lane + its pair
@@ -148,10 +140,13 @@ using Q8_0x8 = GroupX8<Q8_0>;
 
 // ------------------------------------------------------------------------------------------------
 // Q4_K and Q5_K: per super-block, the 8 rows' d and dmin (float16), the scales and minimums decoded
-// to bytes ([run][row], 8 runs of 32), then the codes in chunks of 8 bytes: chunk (j, c) of rows
-// 0..7 holds bytes 32 j + 8 c .. of each row's qs (low nibbles: values 64 j + 8 c.., high: 64 j +
-// 32 + 8 c..); Q5_K then its fifth bits, chunk c holding bytes 8 c .. of each row's qh (bit r:
-// value 32 r + 8 c ..). 4 bytes a row more than the file (the scales stored decoded).
+// to bytes in pairs of runs ([pair p][row][runs 2p, 2p + 1], 8 runs of 32), then the codes in chunks
+// of 8 bytes: chunk (j, c) of rows 0..7 holds bytes 32 j + 8 c .. of each row's qs (low nibbles:
+// values 64 j + 8 c.., high: 64 j + 32 + 8 c..); Q5_K then its fifth bits, chunk c holding bytes
+// 8 c .. of each row's qh (bit r: value 32 r + 8 c ..). 4 bytes a row more than the file (the
+// scales stored decoded). A pair of runs' bytes zero-extended to words is one dword a row: the
+// scales of the two runs that one chunk's low and high nibbles belong to, and the two minimums that
+// lanes 2r and 2r + 1 take (see dot8).
 // ------------------------------------------------------------------------------------------------
 
 template <typename R, bool HighBit>
@@ -166,6 +161,9 @@ struct KQuantX8 {
 
   static int native(int p) { return p; }
 
+  // Where run `run`'s byte of row r sits in the scales or minimums.
+  static constexpr int paired(int run, int r) { return (run / 2) * 2 * kRows + 2 * r + run % 2; }
+
   static void interleave(const uint8_t* const rows[kRows], uint8_t* unit) {
     for (int r = 0; r < kRows; ++r) {
       std::memcpy(unit + 2 * r, rows[r], 2);
@@ -173,8 +171,8 @@ struct KQuantX8 {
       uint8_t sc[8], mn[8];
       k_scale_min(rows[r] + 4, sc, mn);
       for (int s = 0; s < 8; ++s) {
-        unit[kScales + s * kRows + r] = sc[s];
-        unit[kMins + s * kRows + r] = mn[s];
+        unit[kScales + paired(s, r)] = sc[s];
+        unit[kMins + paired(s, r)] = mn[s];
       }
       for (int ch = 0; ch < 16; ++ch) std::memcpy(unit + kCodes + ch * 64 + r * 8, rows[r] + kRowQs + ch * 8, 8);
       if constexpr (HighBit)
@@ -186,8 +184,8 @@ struct KQuantX8 {
     std::memcpy(row + 2, unit + 16 + 2 * r, 2);
     uint8_t* packed = row + 4;  // the 12 bytes of 6-bit scales and minimums, as k_scale_min reads them
     for (int j = 0; j < 4; ++j) {
-      const uint8_t sc0 = unit[kScales + j * kRows + r], sc1 = unit[kScales + (j + 4) * kRows + r];
-      const uint8_t mn0 = unit[kMins + j * kRows + r], mn1 = unit[kMins + (j + 4) * kRows + r];
+      const uint8_t sc0 = unit[kScales + paired(j, r)], sc1 = unit[kScales + paired(j + 4, r)];
+      const uint8_t mn0 = unit[kMins + paired(j, r)], mn1 = unit[kMins + paired(j + 4, r)];
       packed[j] = static_cast<uint8_t>((sc0 & 63) | ((sc1 >> 4) << 6));
       packed[j + 4] = static_cast<uint8_t>((mn0 & 63) | ((mn1 >> 4) << 6));
       packed[j + 8] = static_cast<uint8_t>((sc1 & 0x0F) | ((mn1 & 0x0F) << 4));
@@ -198,6 +196,13 @@ struct KQuantX8 {
   }
 
 #if ROSEINFER_GGUF_VNNI
+  // Pair p of the bytes at `bytes` as words: each row's dword (run 2p, run 2p + 1) in both its lanes.
+  static __m512i pair_both_lanes(const uint8_t* bytes, int p) {
+    const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + p * 2 * kRows)));
+    return _mm512_permutexvar_epi32(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                                    _mm512_castsi256_si512(words));
+  }
+
   template <int T>
   static void dot8(const uint8_t* rows, int64_t units, const Activations& a, int64_t m0, float out[][kRows]) {
     const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
@@ -221,8 +226,7 @@ struct KQuantX8 {
                 high[c], _mm512_test_epi8_mask(qh, _mm512_set1_epi8(static_cast<char>(1 << (2 * j + 1)))), high[c], bit4);
           }
         }
-        const __m512i sc_low = row_bytes<true>(unit + kScales + 2 * j * kRows);
-        const __m512i sc_high = row_bytes<true>(unit + kScales + (2 * j + 1) * kRows);
+        const __m512i scales = pair_both_lanes(unit + kScales, j);  // words (run 2j, run 2j + 1)
         for (int t = 0; t < T; ++t) {
           const int8_t* xq = a.q + (m0 + t) * a.q_stride + u * 256 + j * 64;
           __m512i pl = _mm512_setzero_si512(), ph = _mm512_setzero_si512();
@@ -230,15 +234,27 @@ struct KQuantX8 {
             pl = _mm512_dpbusd_epi32(pl, low[c], broadcast8(xq + 8 * c));
             ph = _mm512_dpbusd_epi32(ph, high[c], broadcast8(xq + 32 + 8 * c));
           }
-          sums[t] = _mm512_add_epi32(sums[t], _mm512_add_epi32(_mm512_mullo_epi32(pl, sc_low), _mm512_mullo_epi32(ph, sc_high)));
+          if constexpr (HighBit) {  // 5-bit codes: a lane's 16 products can pass a word
+            const __m512i sc_low = _mm512_and_si512(scales, _mm512_set1_epi32(0xFFFF));
+            const __m512i sc_high = _mm512_srli_epi32(scales, 16);
+            sums[t] = _mm512_add_epi32(sums[t], _mm512_add_epi32(_mm512_mullo_epi32(pl, sc_low), _mm512_mullo_epi32(ph, sc_high)));
+          } else {
+            // A lane's 16 products of 4-bit codes and int8 activations fit a word (|sum| <= 16 * 15
+            // * 127): both runs' sums as one dword of words, one VPDPWSSD applies both scales.
+            const __m512i both = _mm512_mask_blend_epi16(0xAAAAAAAA, pl, _mm512_slli_epi32(ph, 16));
+            sums[t] = _mm512_dpwssd_epi32(sums[t], both, scales);
+          }
         }
       }
-      // Minimums: dmin * sum over runs of minimum * (run's activation code sum), once per row.
-      for (int s = 0; s < 8; ++s) {
-        const __m512i mn = row_bytes<false>(unit + kMins + s * kRows);
+      // Minimums: dmin * sum over runs of minimum * (run's activation code sum). A pair of runs'
+      // minimums zero-extended to dwords (lane 2r: run 2p, lane 2r + 1: run 2p + 1, each as the
+      // words (minimum, 0)) against the runs' sums as (sum, 0) words: one VPDPWSSD per pair.
+      for (int p = 0; p < 4; ++p) {
+        const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + kMins + p * 2 * kRows)));
         for (int t = 0; t < T; ++t) {
-          const int16_t* s16 = a.sums + (m0 + t) * a.sums_stride + u * 16 + 2 * s;
-          mins[t] = _mm512_add_epi32(mins[t], _mm512_mullo_epi32(mn, _mm512_set1_epi32(s16[0] + s16[1])));
+          int64_t pair;
+          std::memcpy(&pair, a.run_sums + (m0 + t) * a.sums_stride + u * 16 + 4 * p, 8);
+          mins[t] = _mm512_dpwssd_epi32(mins[t], mn, _mm512_set1_epi64(pair));
         }
       }
       const __m512 d = row_pairs(unit), dmin = row_pairs(unit + 16);

@@ -111,7 +111,7 @@ struct ActivationBuffers {
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<int32_t> sums32;
-  std::vector<int16_t> sums;
+  std::vector<int16_t> sums, run_sums;
 };
 
 #if ROSEINFER_GGUF_VNNI
@@ -140,6 +140,7 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, Activatio
   if constexpr (Tr::kSuperAct) {
     buf.d.assign(M * units, 0.0f);
     buf.sums.assign(M * units * 16, 0);
+    buf.run_sums.assign(M * units * 16, 0);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t u = 0; u < units; ++u) {
         const float* xu = x + m * K + u * 256;
@@ -152,8 +153,10 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, Activatio
           q[pos[i]] = natural[i];
           sums[i / 16] = static_cast<int16_t>(sums[i / 16] + natural[i]);
         }
+        int16_t* run_sums = buf.run_sums.data() + (m * units + u) * 16;
+        for (int run = 0; run < 8; ++run) run_sums[2 * run] = static_cast<int16_t>(sums[2 * run] + sums[2 * run + 1]);
       }
-    return {buf.q.data(), buf.d.data(), nullptr, nullptr, buf.sums.data(), padded, units, units * 16};
+    return {buf.q.data(), buf.d.data(), nullptr, nullptr, buf.sums.data(), buf.run_sums.data(), padded, units, units * 16};
   } else {
     const int64_t blocks = units * kGroupBlocks;
     buf.d.assign(M * blocks, 0.0f);
@@ -176,7 +179,7 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, Activatio
         buf.s[m * blocks + b] = d * static_cast<float>(sum);
         buf.sums32[m * blocks + b] = sum;
       }
-    return {buf.q.data(), buf.d.data(), buf.s.data(), buf.sums32.data(), nullptr, padded, blocks, 0};
+    return {buf.q.data(), buf.d.data(), buf.s.data(), buf.sums32.data(), nullptr, nullptr, padded, blocks, 0};
   }
 }
 #endif
