@@ -397,10 +397,15 @@ class EngineConfig:
         if len(windows) > 1:
             # Each sliding group's pool: what max_num_seqs sequences hold in its window at most (the
             # largest window's, for every sliding group); the full-attention group gets the rest.
+            per_sequence = min(-(-length // self.block_size), sliding_blocks_per_sequence(
+                max(windows[1:]), self.max_num_batched_tokens, self.block_size))
             if self.num_kv_blocks_sliding is None:
-                per_sequence = min(-(-length // self.block_size), sliding_blocks_per_sequence(
-                    max(windows[1:]), self.max_num_batched_tokens, self.block_size))
                 self.num_kv_blocks_sliding = self.max_num_seqs * per_sequence
+            elif self.num_kv_blocks_sliding < per_sequence:  # a long request would never fit
+                raise InvalidRequestError(
+                    f"num_kv_blocks_sliding {self.num_kv_blocks_sliding} is fewer than one sequence's sliding-window "
+                    f"layers may hold ({per_sequence} blocks of {self.block_size} tokens)", "num_kv_blocks_sliding",
+                )
             sliding_bytes = self.num_kv_blocks_sliding * model_config.kv_block_bytes(
                 self.block_size, self.kv_cache_torch_dtype, self.tensor_parallel_size, len(groups) - groups.count(0))
         if self.num_kv_blocks is None:

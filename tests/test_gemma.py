@@ -250,10 +250,34 @@ def test_a_gemma_prefix_hit_past_the_window_gives_the_same_tokens(models):
     engine.kv_cache.check_invariants()
 
 
+def test_gemma_preempts_when_its_sliding_pool_runs_out(models):
+    """A sliding pool of 8 blocks of 4 (room for one sequence's window and a bit) under three
+    requests, each sampled twice (n=2: the siblings share the prompt's blocks in both groups and
+    copy the last one): requests are preempted and recomputed, and every sequence's greedy tokens
+    are transformers'."""
+    reference = _reference(models["gemma3"])
+    prompts = _prompts(reference.config.vocab_size)
+    bound = sliding_blocks_per_sequence(WINDOW, 8, 4)
+    llm = LLM(str(models["gemma3"]), block_size=4, max_num_batched_tokens=8, max_num_seqs=3,
+              num_kv_blocks_sliding=bound + 2, quantization="none")
+    engine = llm.engine
+    assert engine.kv_cache.groups[0].num_blocks == 3 * 512 // 4, "the full pool is not what runs out"
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=32, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    expected = _greedy_reference(reference, prompts)
+    assert [[list(c.token_ids) for c in output.outputs] for output in outputs] == [[e, e] for e in expected]
+    assert engine.scheduler.stats.num_preemptions > 0, "the sliding pool was meant to be too small"
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    engine.kv_cache.check_invariants()
+
+
 def test_num_kv_blocks_sliding_is_for_models_with_both_kinds_of_layers(models):
-    """Sets the sliding layers' pool of a Gemma; refused by name for Mistral (every layer alike)."""
-    llm = LLM(str(models["gemma2"]), num_kv_blocks=40, num_kv_blocks_sliding=24, quantization="none")
-    assert [group.num_blocks for group in llm.engine.kv_cache.groups] == [40, 24]
+    """Sets the sliding layers' pool of a Gemma; refused by name below one sequence's window
+    bound, and for Mistral (every layer alike)."""
+    llm = LLM(str(models["gemma2"]), num_kv_blocks=40, num_kv_blocks_sliding=36, quantization="none")
+    assert [group.num_blocks for group in llm.engine.kv_cache.groups] == [40, 36]
+    with pytest.raises(ValueError, match="num_kv_blocks_sliding 2 is fewer than one sequence"):
+        LLM(str(models["gemma2"]), num_kv_blocks_sliding=2, quantization="none")
     with pytest.raises(ValueError, match="num_kv_blocks_sliding applies to a model with both"):
         LLM(str(models["mistral"]), num_kv_blocks_sliding=24, quantization="none")
 

@@ -460,7 +460,7 @@ class HybridKVCacheManager:
         return [list(group.block_table(request_id)) for group in self.groups]
 
     def cached_tokens(self, cached_blocks: Sequence[Sequence[int]]) -> int:
-        return len(cached_blocks[0]) * self.block_size
+        return len(cached_blocks[0]) * self.block_size if cached_blocks else 0
 
     # -- prefix cache ---------------------------------------------------------------------
     def find_cached_prefix(
