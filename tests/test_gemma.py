@@ -271,6 +271,21 @@ def test_gemma_preempts_when_its_sliding_pool_runs_out(models):
     engine.kv_cache.check_invariants()
 
 
+def test_kv_cache_memory_goes_to_the_full_pool_after_the_sliding_pool(models):
+    """Memory-based sizing: the sliding layers' pool takes max_num_seqs x the window bound's
+    blocks, the full-attention layers' pool what is left of --kv-cache-memory."""
+    from roseinfer import EngineConfig
+    from roseinfer.models.hf_config import model_config_from_hf
+
+    model = model_config_from_hf(models["gemma3"])  # five sliding layers, one full
+    per_sequence = sliding_blocks_per_sequence(WINDOW, 8, 4)
+    sliding_bytes = 2 * per_sequence * model.kv_block_bytes(4, torch.float32, num_layers=5)
+    gib = (sliding_bytes + 10 * model.kv_block_bytes(4, torch.float32, num_layers=1)) / 1024**3
+    config = EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, kv_cache_memory=gib)
+    config.resolve(model)
+    assert (config.num_kv_blocks_sliding, config.num_kv_blocks) == (2 * per_sequence, 10)
+
+
 def test_num_kv_blocks_sliding_is_for_models_with_both_kinds_of_layers(models):
     """Sets the sliding layers' pool of a Gemma; refused by name below one sequence's window
     bound, and for Mistral (every layer alike)."""
