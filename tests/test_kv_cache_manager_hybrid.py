@@ -1,7 +1,7 @@
 """Property test of the hybrid block manager (core/kv_cache_manager.HybridKVCacheManager): a
 full-attention group and a sliding-window group over pools of their own, both small enough to run
-out, under random allocate (with prefix-cache lookups) / append / fork / free / end-of-step
-sequences, as in test_kv_cache_manager.py.
+out, under random allocate (with prefix-cache lookups) / append / draft-and-roll-back / fork /
+free / end-of-step sequences, as in test_kv_cache_manager.py.
 
 A shadow pool per group records which token each slot holds: after every operation each
 request's full-group table reads back all its tokens and its sliding-group table those of its
@@ -97,6 +97,18 @@ class HybridBlockManagerMachine(RuleBasedStateMachine):
             assert self.manager.block_table(request_id)[0] == full_before
             assert self.manager.groups[0].num_free_blocks <= FULL_BLOCKS
             event("an append ran out of blocks")
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), drafts=st.lists(TOKENS, min_size=1, max_size=4), accepted=st.integers(0, 4))
+    def verify_drafts(self, data, drafts: list[int], accepted: int) -> None:
+        """Speculative decoding: draft tokens written, the rejected ones rolled back (free_tail)
+        before the step ends, so their blocks were never cached."""
+        request_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        before = len(self.tokens[request_id])
+        if self._write(request_id, drafts):
+            keep = before + min(accepted, len(drafts))
+            self.manager.free_tail(request_id, keep)
+            del self.tokens[request_id][keep:]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
