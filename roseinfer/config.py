@@ -11,6 +11,11 @@ from typing import Any
 
 import torch
 
+from roseinfer.core.kv_cache_groups import (
+    kv_group_windows,
+    layer_kv_groups,
+    sliding_blocks_per_sequence,
+)
 from roseinfer.errors import InvalidRequestError
 from roseinfer.layers.linear import QUANTIZATION_METHODS
 from roseinfer.pooling_params import POOLING_TYPES
@@ -104,12 +109,21 @@ class ModelConfig:
         pool (int8) head_dim codes then a float16 scale (2 bytes) per 32 of them."""
         return self.head_dim + self.head_dim // 16 if dtype == torch.int8 else self.head_dim
 
-    def kv_block_bytes(self, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-        """Bytes one KV block takes across all layers, keys and values, on one rank (with tensor
-        parallelism a rank holds only its KV heads; the rank with the most of them counts)."""
+    def kv_block_bytes(
+        self, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1, num_layers: int | None = None
+    ) -> int:
+        """Bytes one KV block takes across all layers (or `num_layers` of them: a KV cache group's),
+        keys and values, on one rank (with tensor parallelism a rank holds only its KV heads; the
+        rank with the most of them counts)."""
         element = torch.tensor([], dtype=dtype).element_size()
         heads = -(-self.num_kv_heads // tensor_parallel_size)
-        return 2 * self.num_layers * block_size * heads * self.kv_row_elements(dtype) * element
+        layers = self.num_layers if num_layers is None else num_layers
+        return 2 * layers * block_size * heads * self.kv_row_elements(dtype) * element
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Every layer's sliding window (None: full attention); see core/kv_cache_groups.py."""
+        return [self.layer_window(layer) for layer in range(self.num_layers)]
 
     @property
     def long_rope_from(self) -> int | None:
@@ -214,6 +228,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_cache_memory: float | None = None  # GiB for the KV pool; default below
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    # A model with full-attention and sliding-window layers (Gemma): the blocks of each sliding
+    # layers' pool (num_kv_blocks is then the full-attention layers'). None: what max_num_seqs
+    # sequences hold at most in their windows (see resolve).
+    num_kv_blocks_sliding: int | None = None
     max_num_seqs: int = 64
     # Tokens one step may run. None: 1024 on the CPU, where a step of 1024 prompt tokens takes
     # about 1.3 s and smaller steps let half of a burst see its first token sooner (TTFT p50 of 64
@@ -260,6 +278,8 @@ class EngineConfig:
             raise bad("kv_cache_memory", f"must be > 0 GiB, got {self.kv_cache_memory}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise bad("num_kv_blocks", f"must be at least 1, got {self.num_kv_blocks}")
+        if self.num_kv_blocks_sliding is not None and self.num_kv_blocks_sliding < 1:
+            raise bad("num_kv_blocks_sliding", f"must be at least 1, got {self.num_kv_blocks_sliding}")
         if self.max_num_seqs < 1:
             raise bad("max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is None:
@@ -366,13 +386,37 @@ class EngineConfig:
         held = length
         if model_config.attention_span is not None:
             held = min(length, model_config.attention_span + self.max_num_batched_tokens + self.block_size)
+        windows = kv_group_windows(model_config.layer_windows)
+        groups = layer_kv_groups(model_config.layer_windows)
+        sliding_bytes = 0
+        if len(windows) == 1 and self.num_kv_blocks_sliding is not None:
+            raise InvalidRequestError(
+                "num_kv_blocks_sliding applies to a model with both full-attention and sliding-window layers; "
+                f"{model_config.architecture}'s layers are all one kind (use num_kv_blocks)", "num_kv_blocks_sliding",
+            )
+        if len(windows) > 1:
+            # Each sliding group's pool: what max_num_seqs sequences hold in its window at most (the
+            # largest window's, for every sliding group); the full-attention group gets the rest.
+            per_sequence = min(-(-length // self.block_size), sliding_blocks_per_sequence(
+                max(windows[1:]), self.max_num_batched_tokens, self.block_size))
+            if self.num_kv_blocks_sliding is None:
+                self.num_kv_blocks_sliding = self.max_num_seqs * per_sequence
+            elif self.num_kv_blocks_sliding < per_sequence:  # a long request would never fit
+                raise InvalidRequestError(
+                    f"num_kv_blocks_sliding {self.num_kv_blocks_sliding} is fewer than one sequence's sliding-window "
+                    f"layers may hold ({per_sequence} blocks of {self.block_size} tokens)", "num_kv_blocks_sliding",
+                )
+            sliding_bytes = self.num_kv_blocks_sliding * model_config.kv_block_bytes(
+                self.block_size, self.kv_cache_torch_dtype, self.tensor_parallel_size, len(groups) - groups.count(0))
         if self.num_kv_blocks is None:
             gib = self.kv_cache_memory or self.DEFAULT_KV_CACHE_GIB
-            per_block = model_config.kv_block_bytes(self.block_size, self.kv_cache_torch_dtype, self.tensor_parallel_size)
-            budget = int(gib * GIB // per_block)
+            per_block = model_config.kv_block_bytes(self.block_size, self.kv_cache_torch_dtype, self.tensor_parallel_size,
+                                                    groups.count(0))
+            budget = int((gib * GIB - sliding_bytes) // per_block)
             if budget < 1:
+                sliding = f" after the sliding-window layers' {sliding_bytes} bytes" if sliding_bytes else ""
                 raise InvalidRequestError(
-                    f"kv_cache_memory {gib} GiB holds no block of {per_block} bytes", "kv_cache_memory"
+                    f"kv_cache_memory {gib} GiB holds no block of {per_block} bytes{sliding}", "kv_cache_memory"
                 )
             usable = self.max_num_seqs * -(-held // self.block_size)
             self.num_kv_blocks = min(budget, usable)
@@ -444,7 +488,7 @@ class EngineConfig:
 
 ENGINE_ARG_NAMES = (
     "model", "tokenizer", "device", "dtype", "quantization", "block_size", "kv_cache_dtype", "kv_cache_memory",
-    "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
+    "num_kv_blocks", "num_kv_blocks_sliding", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
     "attention_backend", "tensor_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
     "master_addr", "master_port", "cpu_threads_bind", "cpu_allreduce", "speculative_config", "reasoning_parser",
     "pooling", "pooling_normalize",
@@ -486,6 +530,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             f"{EngineConfig.DEFAULT_KV_CACHE_GIB:g}; less when max-num-seqs x max-model-len "
                             "needs less; committed only as it is used)")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
+    group.add_argument("--num-kv-blocks-sliding", type=int, default=None,
+                       help="a model with full-attention and sliding-window layers (Gemma): blocks of the "
+                            "sliding layers' pool (default: max-num-seqs x the blocks one window holds; "
+                            "--num-kv-blocks is then the full-attention layers' pool)")
     group.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="token budget of one step (default: 1024 on the CPU, 8192 on a GPU)")

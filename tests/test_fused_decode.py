@@ -35,8 +35,10 @@ def decode_logits_both_ways(engine: InferenceEngine, prompts: list[list[int]], s
             reference, req_ids = runner.compute_logits(step)  # op by op (updates the runner's state)
             inputs = runner.prepare_inputs(type(step)(num_scheduled_tokens=step.num_scheduled_tokens))
             meta = inputs.meta
-            logits = fused.forward(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_block_tables,
-                                   meta.decode_context_lens, runner.kv_caches, meta.long_rope)
+            groups = list(meta.groups.values()) or [meta]  # KV cache groups (Gemma: full and sliding layers)
+            logits = fused.forward(inputs.input_ids, inputs.positions, [g.slot_mapping for g in groups],
+                                   [g.decode_block_tables for g in groups], meta.decode_context_lens,
+                                   runner.kv_caches, meta.long_rope)
             assert logits.dtype == reference.dtype and logits.shape == reference.shape
             logits, reference = logits.float(), reference.float()
             worst = max(worst, (logits - reference).abs().max().item())

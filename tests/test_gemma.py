@@ -24,6 +24,8 @@ from support import CORPUS, assert_chat_renders_as_transformers, compare_logits_
 from test_fused_decode import decode_logits_both_ways, panel_dtypes, quantizes_activations
 
 from roseinfer import LLM
+from roseinfer.core.kv_cache_groups import sliding_blocks_per_sequence
+from roseinfer.core.kv_cache_manager import RELEASED
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.tokenizer import Tokenizer
 
@@ -183,6 +185,9 @@ def test_fused_decode_step_equals_the_op_by_op_forward(models, kind, weights):
     runner = llm.engine.runner
     fused = runner.fused_decoder
     assert fused is not None, "Gemma decodes op by op"
+    # Two KV cache groups, pools of different sizes: a layer read through the other group's
+    # tables would read other blocks than it wrote.
+    assert runner.group_windows == [None, WINDOW] and len(set(runner.group_num_blocks)) == 2
     assert fused.decoder.rotary_tables() == (1 if runner.model.same_rotary else 2)
     prompts = _prompts(llm.engine.model_config.vocab_size) + MANY_PROMPTS
     assert max(map(len, prompts)) > WINDOW
@@ -191,6 +196,105 @@ def test_fused_decode_step_equals_the_op_by_op_forward(models, kind, weights):
         assert worst < 1e-4, worst
     else:  # bfloat16, or 8-bit activations: a last-bit difference may cross a rounding step
         assert worst_kl < 1e-3, (worst, worst_kl)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_gemma_local_layers_hold_at_most_their_window(models, backend):
+    """Gemma 3 (five local layers to one global): three prompts (40 tokens past the window of 12)
+    prefilled in chunks of 8 and 32 greedy tokens each, in blocks of 4. After every step each
+    request's sliding-group table holds at most the window's bound of blocks while its full-group
+    table covers every token; the sliding layers' pools have the bound's blocks (not the
+    context's); the tokens are transformers'."""
+    reference = _reference(models["gemma3"])
+    prompts = _prompts(reference.config.vocab_size)
+    llm = LLM(str(models["gemma3"]), block_size=4, max_num_batched_tokens=8, max_num_seqs=3,
+              attention_backend=backend, quantization="none")
+    engine = llm.engine
+    full, sliding = engine.kv_cache.groups
+    bound = sliding_blocks_per_sequence(WINDOW, 8, 4)
+    assert sliding.num_blocks == 3 * bound and full.num_blocks == 3 * 512 // 4
+    runner = engine.runner
+    windows = engine.model_config.layer_windows
+    assert [cache.shape[1] for cache in runner.kv_caches] == [sliding.num_blocks if w else full.num_blocks
+                                                              for w in windows]
+    ids = {engine.add_request(None, GREEDY, prompt_token_ids=prompt): i for i, prompt in enumerate(prompts)}
+    tokens: list[list[int]] = [[] for _ in prompts]
+    most_held = longest = 0
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens[ids[delta.request_id]].extend(delta.token_ids)
+        engine.kv_cache.check_invariants()
+        for request_id, table in full.block_tables.items():
+            assert RELEASED not in table
+            most_held = max(most_held, sum(block != RELEASED for block in sliding.block_tables[request_id]))
+            longest = max(longest, len(table))
+    assert most_held <= bound < longest == -(-(40 + 31) // 4)
+    assert tokens == _greedy_reference(reference, prompts)
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_a_gemma_prefix_hit_past_the_window_gives_the_same_tokens(models):
+    """A second request sharing a 40-token prefix (past the window) with a finished one: its
+    cached tokens cover blocks of both groups (the sliding group's from the window before the
+    hit), and its greedy tokens are transformers'."""
+    reference = _reference(models["gemma2"])
+    shared = _prompts(reference.config.vocab_size)[2]
+    llm = LLM(str(models["gemma2"]), block_size=4, max_num_batched_tokens=16, quantization="none")
+    first = llm.generate(prompt_token_ids=[shared + [5]], sampling_params=GREEDY, use_tqdm=False)[0]
+    second = llm.generate(prompt_token_ids=[shared + [9, 10]], sampling_params=GREEDY, use_tqdm=False)[0]
+    assert first.metrics.num_cached_tokens == 0 and second.metrics.num_cached_tokens == 40
+    expected = _greedy_reference(reference, [shared + [5], shared + [9, 10]])
+    assert [list(first.outputs[0].token_ids), list(second.outputs[0].token_ids)] == expected
+    engine = llm.engine
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    engine.kv_cache.check_invariants()
+
+
+def test_gemma_preempts_when_its_sliding_pool_runs_out(models):
+    """A sliding pool of 8 blocks of 4 (room for one sequence's window and a bit) under three
+    requests, each sampled twice (n=2: the siblings share the prompt's blocks in both groups and
+    copy the last one): requests are preempted and recomputed, and every sequence's greedy tokens
+    are transformers'."""
+    reference = _reference(models["gemma3"])
+    prompts = _prompts(reference.config.vocab_size)
+    bound = sliding_blocks_per_sequence(WINDOW, 8, 4)
+    llm = LLM(str(models["gemma3"]), block_size=4, max_num_batched_tokens=8, max_num_seqs=3,
+              num_kv_blocks_sliding=bound + 2, quantization="none")
+    engine = llm.engine
+    assert engine.kv_cache.groups[0].num_blocks == 3 * 512 // 4, "the full pool is not what runs out"
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=32, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    expected = _greedy_reference(reference, prompts)
+    assert [[list(c.token_ids) for c in output.outputs] for output in outputs] == [[e, e] for e in expected]
+    assert engine.scheduler.stats.num_preemptions > 0, "the sliding pool was meant to be too small"
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    engine.kv_cache.check_invariants()
+
+
+def test_kv_cache_memory_goes_to_the_full_pool_after_the_sliding_pool(models):
+    """Memory-based sizing: the sliding layers' pool takes max_num_seqs x the window bound's
+    blocks, the full-attention layers' pool what is left of --kv-cache-memory."""
+    from roseinfer import EngineConfig
+    from roseinfer.models.hf_config import model_config_from_hf
+
+    model = model_config_from_hf(models["gemma3"])  # five sliding layers, one full
+    per_sequence = sliding_blocks_per_sequence(WINDOW, 8, 4)
+    sliding_bytes = 2 * per_sequence * model.kv_block_bytes(4, torch.float32, num_layers=5)
+    gib = (sliding_bytes + 10 * model.kv_block_bytes(4, torch.float32, num_layers=1)) / 1024**3
+    config = EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, kv_cache_memory=gib)
+    config.resolve(model)
+    assert (config.num_kv_blocks_sliding, config.num_kv_blocks) == (2 * per_sequence, 10)
+
+
+def test_num_kv_blocks_sliding_is_for_models_with_both_kinds_of_layers(models):
+    """Sets the sliding layers' pool of a Gemma; refused by name below one sequence's window
+    bound, and for Mistral (every layer alike)."""
+    llm = LLM(str(models["gemma2"]), num_kv_blocks=40, num_kv_blocks_sliding=36, quantization="none")
+    assert [group.num_blocks for group in llm.engine.kv_cache.groups] == [40, 36]
+    with pytest.raises(ValueError, match="num_kv_blocks_sliding 2 is fewer than one sequence"):
+        LLM(str(models["gemma2"]), num_kv_blocks_sliding=2, quantization="none")
+    with pytest.raises(ValueError, match="num_kv_blocks_sliding applies to a model with both"):
+        LLM(str(models["mistral"]), num_kv_blocks_sliding=24, quantization="none")
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])

@@ -17,7 +17,8 @@ import time
 from collections.abc import Iterable
 
 from roseinfer.config import EngineConfig, ModelConfig
-from roseinfer.core.kv_cache_manager import KVCacheManager
+from roseinfer.core.kv_cache_groups import kv_group_windows
+from roseinfer.core.kv_cache_manager import HybridKVCacheManager, KVCacheManager
 from roseinfer.core.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -35,16 +36,29 @@ from roseinfer.step_timings import PhaseClock, StepTimings
 logger = logging.getLogger("roseinfer")
 
 
+def kv_cache_manager(config: EngineConfig, model_config: ModelConfig) -> KVCacheManager | HybridKVCacheManager:
+    """One manager over one pool where the model's layers are all one kind; else one per KV cache
+    group (core/kv_cache_groups.py): the full-attention layers' pool and each window's."""
+    windows = kv_group_windows(model_config.layer_windows)
+    if len(windows) == 1:
+        return KVCacheManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.max_num_seqs,
+            model_config.attention_span,
+        )
+    return HybridKVCacheManager([
+        KVCacheManager(config.num_kv_blocks_sliding if window else config.num_kv_blocks, config.block_size,
+                       config.enable_prefix_caching, config.max_num_seqs, window, group)
+        for group, window in enumerate(windows)
+    ])
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, executor: Executor | None = None) -> None:
         self.config = config
         self.timings = StepTimings()
         started = time.perf_counter()
         self.executor = executor or executor_class(config)(config, model_config, self.timings)
-        self.kv_cache = KVCacheManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.max_num_seqs,
-            model_config.attention_span,
-        )
+        self.kv_cache = kv_cache_manager(config, model_config)
         self.structured_output_manager = StructuredOutputManager(config, model_config)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.structured_output_manager,

@@ -33,10 +33,12 @@ positions (Mistral, Qwen2 with a window on every layer), a block whose positions
 the span of the next query is never read again: `allocate_slots` drops it from the request's table
 (its place holds `RELEASED`, so a table stays indexed by position) and releases it to the pool,
 where it stays cached like a finished request's block. A request then holds about
-`(span + chunk) / block_size` blocks however long it grows. Models with any full-attention layer
-(Gemma's global layers) keep every block: one table serves all layers. The scheduler is handed the
-table with each released place filled by the request's first live block: the attention kernels
-never read a place before the window, and the PyTorch paths mask it.
+`(span + chunk) / block_size` blocks however long it grows. A model with both full-attention and
+sliding layers (Gemma) has one `KVCacheManager` per KV cache group (core/kv_cache_groups.py), each
+with its own pool, under a `HybridKVCacheManager`: the full group keeps every block, each sliding
+group releases as above. The scheduler is handed the table with each released place filled by the
+request's first live block: the attention kernels never read a place before the window, and the
+PyTorch paths mask it.
 
 Invariants (checked by `check_invariants`, exercised by a property test):
   * a block's reference count equals the number of block tables that hold it;
@@ -78,6 +80,17 @@ class BlockCopy:
 
     src: int
     dst: int
+    group: int = 0  # the KV cache group whose pool holds both (see HybridKVCacheManager)
+
+
+@dataclass
+class SlotPlan:
+    """What `KVCacheManager.commit_slots` does for a request (see plan_slots)."""
+
+    cached_blocks: list[int]  # a new table's cached start (RELEASED where out of the window)
+    taken: list[int]  # of those, the blocks taken
+    needed: int  # new blocks at the table's end
+    copy_on_write: int | None  # the place of a shared block written to, replaced by a private copy
 
 
 @dataclass
@@ -170,9 +183,10 @@ class KVCacheManager:
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, max_num_seqs: int = 1,
-        attention_span: int | None = None,
+        attention_span: int | None = None, group: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.group = group  # its index among a hybrid manager's groups (named in its block copies)
         self.enable_prefix_caching = enable_prefix_caching
         # The last positions any layer reads (see Sliding windows above); None: all of them.
         self.attention_span = attention_span
@@ -215,6 +229,10 @@ class KVCacheManager:
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def cached_tokens(self, cached_blocks: Sequence[int]) -> int:
+        """How many prompt tokens the blocks `find_cached_prefix` found hold."""
+        return len(cached_blocks) * self.block_size
 
     # -- prefix cache ---------------------------------------------------------------------
     def _chain(
@@ -290,6 +308,18 @@ class KVCacheManager:
         fell out of the sliding window of every layer are released first (cached ones are not
         taken). Returns False, changing nothing else, when too few blocks are free.
         """
+        plan = self.plan_slots(request_id, num_computed, num_new, cached_blocks)
+        if plan is None:
+            return False
+        self.commit_slots(request_id, plan)
+        return True
+
+    def plan_slots(
+        self, request_id: int, num_computed: int, num_new: int, cached_blocks: Sequence[int] = ()
+    ) -> SlotPlan | None:
+        """The check of `allocate_slots`: releases what fell out of the window, then returns what
+        the rest needs, or None where too few blocks are free. A hybrid manager commits its groups'
+        plans only when every group has one."""
         table = self.block_tables.get(request_id, [])
         if cached_blocks and table:
             raise RuntimeError(f"request {request_id} already has blocks; cached ones start a table")
@@ -304,20 +334,25 @@ class KVCacheManager:
         cow = num_new > 0 and first < len(table) and self.pool.ref_counts[table[first]] > 1
         taken = [block for block in cached_blocks if block != RELEASED]
         if needed + int(cow) > self.pool.num_free_after_taking(taken):
-            return False
-        if cached_blocks:
-            self.pool.incref(taken)
-            table = list(cached_blocks)
+            return None
+        return SlotPlan(list(cached_blocks), taken, needed, first if cow else None)
+
+    def commit_slots(self, request_id: int, plan: SlotPlan) -> None:
+        """The allocation of `allocate_slots`, as `plan_slots` planned it."""
+        table = self.block_tables.get(request_id, [])
+        if plan.cached_blocks:
+            self.pool.incref(plan.taken)
+            table = plan.cached_blocks
         self.block_tables[request_id] = table
-        if cow:
+        first = plan.copy_on_write
+        if first is not None:
             (copy,) = self.pool.allocate(1, after=table[first - 1] if first else None)
-            self._pending_copies.append(BlockCopy(src=table[first], dst=copy))
+            self._pending_copies.append(BlockCopy(src=table[first], dst=copy, group=self.group))
             self.pool.decref([table[first]])
             table[first] = copy
             del self._keys.get(request_id, [])[first:]  # the copy is written to: not a cached block
-        if needed:
-            table.extend(self.pool.allocate(needed, after=table[-1] if table else None))
-        return True
+        if plan.needed:
+            table.extend(self.pool.allocate(plan.needed, after=table[-1] if table else None))
 
     def _release(self, table: list[int], count: int) -> None:
         """Release the table's first `count` blocks (the places stay, marked RELEASED)."""
@@ -385,3 +420,136 @@ class KVCacheManager:
             raise AssertionError("a block carries a key that the cache does not map to it")
         if pool._open.tolist() != [count == 0 and key is None for count, key in zip(expected, pool.keys, strict=True)]:
             raise AssertionError("the open-block map differs from the free, uncached blocks")
+
+
+class HybridKVCacheManager:
+    """Block tables for a model with full-attention and sliding-window layers: one `KVCacheManager`
+    per KV cache group (core/kv_cache_groups.py), each over its own pool, the full group first.
+
+    The scheduler sees one manager: a request gets room only when every group has it (else
+    nothing changes and it waits or is preempted), and its block table is one table per group.
+    Prefix caching keys are the same chained keys in every group (the same tokens give each
+    group's layers the same K/V); a hit of L tokens needs the full group's blocks of the whole
+    prefix and each sliding group's blocks of its window before L (see find_cached_prefix).
+    """
+
+    def __init__(self, groups: Sequence[KVCacheManager]) -> None:
+        if len(groups) < 2 or groups[0].attention_span is not None:
+            raise ValueError("a hybrid KV cache has a full-attention group first and at least one sliding group")
+        self.groups = list(groups)
+        self.block_size = groups[0].block_size
+        self.enable_prefix_caching = groups[0].enable_prefix_caching
+        self.prefix_stats = PrefixCacheStats()
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return sum(group.num_blocks for group in self.groups)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(group.num_free_blocks for group in self.groups)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of all groups' blocks held by requests, 0..1."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def block_table(self, request_id: int) -> list[list[int]]:
+        """One table per group (copies: the scheduler keeps what it sent)."""
+        return [list(group.block_table(request_id)) for group in self.groups]
+
+    def cached_tokens(self, cached_blocks: Sequence[Sequence[int]]) -> int:
+        return len(cached_blocks[0]) * self.block_size if cached_blocks else 0
+
+    # -- prefix cache ---------------------------------------------------------------------
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, variant: str | None = None
+    ) -> list[list[int]]:
+        """Per group, the blocks of the longest prefix every group can start from: the full group
+        needs all its blocks, a sliding group those its window reads after the prefix (RELEASED
+        before them), so an evicted block inside a window shortens the hit (empty lists: none)."""
+        none: list[list[int]] = [[] for _ in self.groups]
+        if not self.enable_prefix_caching:
+            return none
+        full = self.groups[0]
+        usable = (len(token_ids) - 1) // self.block_size
+        keys = full._chain(token_ids, [], usable, cache_salt, variant)
+        found: list[int] = []
+        for key in keys:
+            block = full.pool.cached.get(key)
+            if block is None:
+                break
+            found.append(block)
+        # Per sliding group, each block's cached copy (or None), and how many cached blocks run
+        # up to and including each place.
+        sliding = [[group.pool.cached.get(key) for key in keys[: len(found)]] for group in self.groups[1:]]
+        runs = []
+        for blocks in sliding:
+            run, count = [], 0
+            for block in blocks:
+                count = count + 1 if block is not None else 0
+                run.append(count)
+            runs.append(run)
+        for hit in range(len(found), 0, -1):
+            firsts = [group._num_released(hit * self.block_size) for group in self.groups[1:]]
+            if all(run[hit - 1] >= hit - first for run, first in zip(runs, firsts, strict=True)):
+                return [found[:hit]] + [[RELEASED] * first + blocks[first:hit]
+                                        for blocks, first in zip(sliding, firsts, strict=True)]
+        return none
+
+    def record_prefix_lookup(self, num_tokens: int, num_cached_tokens: int) -> None:
+        self.prefix_stats.queries += num_tokens
+        self.prefix_stats.hits += num_cached_tokens
+
+    def cache_computed_blocks(
+        self, request_id: int, token_ids: Sequence[int], num_computed: int, cache_salt: str | None = None,
+        variant: str | None = None,
+    ) -> None:
+        for group in self.groups:
+            group.cache_computed_blocks(request_id, token_ids, num_computed, cache_salt, variant)
+
+    # -- allocation -----------------------------------------------------------------------
+    def allocate_slots(
+        self, request_id: int, num_computed: int, num_new: int, cached_blocks: Sequence[Sequence[int]] = ()
+    ) -> bool:
+        """As KVCacheManager.allocate_slots, in every group or (returning False) in none."""
+        cached = cached_blocks if cached_blocks and cached_blocks[0] else [()] * len(self.groups)
+        plans = []
+        for group, blocks in zip(self.groups, cached, strict=True):
+            plan = group.plan_slots(request_id, num_computed, num_new, blocks)
+            if plan is None:
+                return False
+            plans.append(plan)
+        for group, plan in zip(self.groups, plans, strict=True):
+            group.commit_slots(request_id, plan)
+        return True
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        for group in self.groups:
+            group.fork(parent_id, child_id)
+
+    def free_tail(self, request_id: str, num_tokens: int) -> None:
+        for group in self.groups:
+            group.free_tail(request_id, num_tokens)
+
+    def free(self, request_id: int) -> None:
+        for group in self.groups:
+            group.free(request_id)
+
+    def take_pending_copies(self) -> list[BlockCopy]:
+        return [copy for group in self.groups for copy in group.take_pending_copies()]
+
+    def reset_prefix_cache(self) -> None:
+        for group in self.groups:
+            group.reset_prefix_cache()
+
+    # -- checks ---------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        for group in self.groups:
+            group.check_invariants()
+        tables = [group.block_tables for group in self.groups]
+        if any(set(other) != set(tables[0]) for other in tables[1:]):
+            raise AssertionError("a request holds a block table in some groups and not in others")
+        if any(len(other[request]) != len(tables[0][request]) for other in tables[1:] for request in other):
+            raise AssertionError("a request's block tables differ in length between groups")

@@ -113,7 +113,8 @@ class NewRequestData:
     output_token_ids: list[int]  # tokens generated before (a fork's parent has none yet)
     sampling_params: SamplingParams | None  # None for a pooling request
     eos_token_ids: list[int]
-    block_ids: list[int]
+    # Its block table; a model with several KV cache groups (core/kv_cache_groups.py): one per group.
+    block_ids: list[int] | list[list[int]]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None  # a pooling request: pool its prompt, sample nothing
 
@@ -124,7 +125,7 @@ class CachedRequestData:
 
     req_id: str
     new_token_ids: list[int]  # tokens the scheduler appended since the runner last saw it
-    block_ids: list[int] | None  # the whole block table when it changed, else None
+    block_ids: list[int] | list[list[int]] | None  # the whole block table(s) when changed, else None
     num_computed_tokens: int
 
 
@@ -136,7 +137,8 @@ class SchedulerOutput:
     scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the step
+    # (src, dst) before the step; (src, dst, group) for a KV cache group other than the first.
+    blocks_to_copy: list[tuple[int, ...]] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # the runner forgets these
     # Structured outputs: the allowed next tokens of the constrained requests that sample this
     # step, one int32 row of bits each (bit t set: token t allowed), and request id -> row.

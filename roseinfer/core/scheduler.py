@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from roseinfer.config import SpeculativeConfig
-from roseinfer.core.kv_cache_manager import KVCacheManager
+from roseinfer.core.kv_cache_manager import HybridKVCacheManager, KVCacheManager
 from roseinfer.core.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -39,7 +39,7 @@ from roseinfer.request import Request, RequestStatus
 class Scheduler:
     def __init__(
         self,
-        kv_cache: KVCacheManager,
+        kv_cache: KVCacheManager | HybridKVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         structured_output_manager: StructuredOutputManager | None = None,
@@ -174,7 +174,7 @@ class Scheduler:
                 ))
                 continue
             cached = self._cached_prefix(request)
-            num_cached = len(cached) * self.kv_cache.block_size
+            num_cached = self.kv_cache.cached_tokens(cached)
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(request.request_id, num_cached, num_new, cached):
                 if not self.running:  # nothing will ever free blocks for it
@@ -252,7 +252,9 @@ class Scheduler:
             request.synced_block_ids = list(table)
             out.num_scheduled_tokens[request.request_id] = num_new
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
-        out.blocks_to_copy = [(c.src, c.dst) for c in self.kv_cache.take_pending_copies()]
+        # A hybrid manager's copies name their KV cache group (its pool); group 0's need not.
+        out.blocks_to_copy = [(c.src, c.dst, c.group) if c.group else (c.src, c.dst)
+                              for c in self.kv_cache.take_pending_copies()]
         if self.structured_output is not None:
             sampling = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens and not r.is_pooling]
             out.grammar_bitmask, out.structured_output_request_ids = self.structured_output.bitmask(sampling)

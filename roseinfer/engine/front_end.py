@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from roseinfer.config import EngineConfig
+from roseinfer.core.kv_cache_groups import kv_group_windows, layer_kv_groups
 from roseinfer.core.messages import EngineCoreRequest
 from roseinfer.input_processor import InputProcessor, ProcessedRequest
 from roseinfer.models.loader import ModelSource
@@ -46,13 +47,21 @@ class EngineFrontEnd:
 
     def log_ready(self, seconds: float) -> None:
         config, model = self.config, self.model_config
-        kv_bytes = config.num_kv_blocks * model.kv_block_bytes(config.block_size, config.kv_cache_torch_dtype)
+        dtype = "q8_0" if config.kv_cache_dtype == "q8_0" else str(config.kv_cache_torch_dtype).removeprefix("torch.")
+        # One pool per KV cache group (core/kv_cache_groups.py): all layers, or a model's full and sliding layers.
+        groups = layer_kv_groups(model.layer_windows)
+        pools = []
+        for group, window in enumerate(kv_group_windows(model.layer_windows)):
+            blocks = config.num_kv_blocks if group == 0 else config.num_kv_blocks_sliding
+            kv_bytes = blocks * model.kv_block_bytes(config.block_size, config.kv_cache_torch_dtype,
+                                                     num_layers=groups.count(group))
+            kind = "" if len(groups) == groups.count(0) else (
+                f" for {groups.count(group)} full-attention layers" if window is None
+                else f" for {groups.count(group)} layers with window {window}")
+            pools.append(f"{blocks} blocks of {config.block_size} tokens{kind} ({kv_bytes / 1024**3:.2f} GiB, {dtype})")
         logger.info(
-            "loaded %s (%s, %d layers) on %s/%s, quantization %s, in %.1fs; KV cache: %d blocks of %d tokens "
-            "(%.2f GiB, %s), max_model_len %d",
+            "loaded %s (%s, %d layers) on %s/%s, quantization %s, in %.1fs; KV cache: %s, max_model_len %d",
             self.model_name, model.architecture, model.num_layers, config.torch_device,
             str(config.torch_dtype).removeprefix("torch."), config.quantization, seconds,
-            config.num_kv_blocks, config.block_size, kv_bytes / 1024**3,
-            "q8_0" if config.kv_cache_dtype == "q8_0" else str(config.kv_cache_torch_dtype).removeprefix("torch."),
-            self.max_model_len,
+            "; ".join(pools), self.max_model_len,
         )

@@ -71,6 +71,15 @@ class AttentionMetadata:
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # The backend that built this metadata and runs every layer's attention over it.
     backend: AttentionBackend | None = None
+    # A model with several KV cache groups (core/kv_cache_groups.py: Gemma's full and sliding
+    # layers, each kind with a pool of its own): each group's metadata (its slots and block
+    # tables) by the group's window, None for full attention; this metadata is one of them.
+    # Empty: one group, this metadata serves every layer.
+    groups: dict[int | None, AttentionMetadata] = field(default_factory=dict)
+
+    def for_layer(self, window: int | None) -> AttentionMetadata:
+        """The metadata a layer with this sliding window reads its pool through."""
+        return self.groups[window] if self.groups else self
 
     def decode_mask_for(self, window: int | None) -> torch.Tensor | None:
         if not window or self.decode_mask is None:
@@ -162,4 +171,4 @@ class PagedAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        return meta.backend.forward(q, k, v, kv_cache, meta, self.params)
+        return meta.backend.forward(q, k, v, kv_cache, meta.for_layer(self.params.sliding_window), self.params)

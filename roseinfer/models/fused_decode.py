@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from roseinfer.core.kv_cache_groups import layer_kv_groups
 from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.layers.attention import AttentionLayerParams
 from roseinfer.layers.cpu_kernels import cpu_kernels
@@ -230,6 +231,11 @@ def fused_decoder_for(model: nn.Module, dtype: torch.dtype, device: torch.device
         dense_layers[0].intermediate_size if dense_layers else 0, spec.lm_head.out_features, spec.norm_eps,
         spec.final_norm, _linear(spec.lm_head), layers, scale,
     )
+    # A model with full and sliding layers keeps a pool per kind, read through its own block
+    # tables and slots (core/kv_cache_groups.py): each layer names its group.
+    for index, group in enumerate(layer_kv_groups([layer.attention.sliding_window for layer in spec.layers])):
+        if group:
+            decoder.set_kv_group(index, group)
     for index, layer in enumerate(spec.layers):
         if layer.qk_norm_over_all_heads:
             decoder.set_qk_norm_over_all_heads(index)
@@ -272,12 +278,16 @@ class FusedDecoder:
         self.rotaries = rotaries
         self.final_logit_softcap = final_logit_softcap
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                block_tables: torch.Tensor, context_lens: torch.Tensor, kv_caches: list[torch.Tensor],
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                slot_mapping: torch.Tensor | list[torch.Tensor], block_tables: torch.Tensor | list[torch.Tensor],
+                context_lens: torch.Tensor, kv_caches: list[torch.Tensor],
                 long_rope: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode step for every row: logits [rows, vocabulary] (`long_rope`: see AttentionMetadata)."""
+        """One decode step for every row: logits [rows, vocabulary] (`long_rope`: see AttentionMetadata).
+        Slots and block tables: one tensor of each, or with KV cache groups a list, one per group."""
         rotations = [torch.view_as_real(rotary.rotations(positions, long_rope)) for rotary in self.rotaries]
         embedded = self.embedding(token_ids)
+        if isinstance(slot_mapping, torch.Tensor):
+            slot_mapping, block_tables = [slot_mapping], [block_tables]
         logits = self.decoder.forward(embedded, rotations, slot_mapping, block_tables, context_lens, kv_caches)
         cap = self.final_logit_softcap
         if cap:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from roseinfer.config import EngineConfig, ModelConfig
+from roseinfer.core.kv_cache_groups import kv_group_windows, layer_kv_groups
 from roseinfer.core.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.distributed.partition import partition
@@ -128,12 +129,21 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
         self.timings = timings or StepTimings()
         # One pool per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim], with only this
-        # rank's KV heads under tensor parallelism.
+        # rank's KV heads under tensor parallelism. With several KV cache groups (Gemma's full and
+        # sliding layers, core/kv_cache_groups.py) a layer's pool has its group's blocks, and each
+        # request has a block table per group.
         tp = get_tp_group()
         kv_heads = partition(model_config.num_kv_heads, tp.size, tp.rank)[1]
         row = model_config.kv_row_elements(config.kv_cache_torch_dtype)  # head_dim, or q8_0's codes and scales
-        shape = (2, config.num_kv_blocks, self.block_size, kv_heads, row)
-        self.kv_caches = [zeroed_untouched(shape, config.kv_cache_torch_dtype, self.device) for _ in range(model_config.num_layers)]
+        self.group_windows = kv_group_windows(model_config.layer_windows)
+        self.layer_groups = layer_kv_groups(model_config.layer_windows)
+        self.group_num_blocks = [config.num_kv_blocks if window is None or len(self.group_windows) == 1
+                                 else config.num_kv_blocks_sliding for window in self.group_windows]
+        self.kv_caches = [
+            zeroed_untouched((2, self.group_num_blocks[group], self.block_size, kv_heads, row),
+                             config.kv_cache_torch_dtype, self.device)
+            for group in self.layer_groups
+        ]
         self.sampler = Sampler()
         # The engine's one attention backend (--attention-backend, the device, whether the C++
         # kernels built): it builds each step's metadata, which carries it to every layer.
@@ -165,9 +175,10 @@ class ModelRunner:
         pooled: dict[str, np.ndarray] = {}
         if self.fused_decoder is not None and not meta.prefills and not inputs.pooling:
             # Every request decodes one token and samples it: the rows are the batch itself.
+            groups = list(meta.groups.values()) or [meta]
             logits = self.fused_decoder.forward(
-                inputs.input_ids, inputs.positions, meta.slot_mapping, meta.decode_block_tables,
-                meta.decode_context_lens, self.kv_caches, meta.long_rope,
+                inputs.input_ids, inputs.positions, [g.slot_mapping for g in groups],
+                [g.decode_block_tables for g in groups], meta.decode_context_lens, self.kv_caches, meta.long_rope,
             )
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
@@ -229,7 +240,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[np.ndarray] = []
         long_rope: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        slots: list[list[np.ndarray]] = [[] for _ in self.group_windows]  # per KV cache group
         logits_indices: list[int] = []
         sampling: list[CachedRequestState] = []
         pooling: list[PoolingRows] = []
@@ -243,11 +254,12 @@ class ModelRunner:
             ids.extend(state.token_ids[start:end])
             ids.extend(drafts)
             pos = np.arange(start, start + num_new, dtype=np.int64)
-            table = np.asarray(state.block_ids, dtype=np.int64)
             positions.append(pos)
             if self.long_rope_from is not None:  # as layers/rotary.long_rope decides
                 long_rope.append(np.maximum(pos + 1, state.num_prompt_tokens) > self.long_rope_from)
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
+            for group, table in enumerate(self._tables(state)):
+                table = np.asarray(table, dtype=np.int64)
+                slots[group].append(table[pos // block_size] * block_size + pos % block_size)
             if state.pooling_params is not None:  # pooled, never sampled
                 pooling.append(PoolingRows(state, first_row, num_new, start, end == len(state.token_ids)))
             elif end == len(state.token_ids):  # caught up: its last position gives the next token
@@ -255,20 +267,28 @@ class ModelRunner:
                 logits_indices.extend(range(len(ids) - 1 - len(drafts), len(ids)))
                 sampling.append(state)
 
-        batch = AttentionBatch(slot_mapping=np.concatenate(slots))
-        if decodes:
-            batch.decode_block_tables, batch.decode_context_lens = self._decode_tables([state for state, _ in decodes])
-        offset = len(decodes)
-        prefill_rows = []
-        for state, num_new in prefills:
-            num_blocks = -(-(state.num_computed_tokens + num_new) // block_size)
-            block_ids = np.asarray(state.block_ids[:num_blocks], dtype=np.int64)
-            prefill_rows.append(PrefillRows(offset, num_new, state.num_computed_tokens, block_ids))
-            offset += num_new
-        batch.prefills = prefill_rows
-        meta = self.attention_backend.build_metadata(batch)
+        metas = []
+        for group in range(len(self.group_windows)):
+            batch = AttentionBatch(slot_mapping=np.concatenate(slots[group]))
+            if decodes:
+                batch.decode_block_tables, batch.decode_context_lens = self._decode_tables(
+                    [state for state, _ in decodes], group)
+            offset = len(decodes)
+            prefill_rows = []
+            for state, num_new in prefills:
+                num_blocks = -(-(state.num_computed_tokens + num_new) // block_size)
+                block_ids = np.asarray(self._tables(state)[group][:num_blocks], dtype=np.int64)
+                prefill_rows.append(PrefillRows(offset, num_new, state.num_computed_tokens, block_ids))
+                offset += num_new
+            batch.prefills = prefill_rows
+            metas.append(self.attention_backend.build_metadata(batch))
+        meta = metas[0]
+        if len(metas) > 1:  # each layer reads through its group's (AttentionMetadata.for_layer)
+            meta.groups = dict(zip(self.group_windows, metas, strict=True))
         if long_rope:
-            meta.long_rope = self._tensor(np.concatenate(long_rope))
+            long_rope_rows = self._tensor(np.concatenate(long_rope))
+            for group_meta in metas:
+                group_meta.long_rope = long_rope_rows
 
         return StepInputs(
             input_ids=self._tensor(np.asarray(ids, dtype=np.int64)),
@@ -305,25 +325,36 @@ class ModelRunner:
                 pooled[state.req_id] = rows[-1].float().cpu().numpy()
         return pooled
 
-    def _decode_tables(self, states: list[CachedRequestState]) -> tuple[np.ndarray, np.ndarray]:
-        """The decode rows' block tables, padded to the longest, and context lengths."""
+    def _tables(self, state: CachedRequestState) -> list[list[int]]:
+        """The request's block table of each KV cache group."""
+        return state.block_ids if len(self.group_windows) > 1 else [state.block_ids]
+
+    def _decode_tables(self, states: list[CachedRequestState], group: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The decode rows' block tables (of KV cache group `group`), padded to the longest, and
+        context lengths."""
         lengths = np.fromiter((s.num_computed_tokens + 1 for s in states), np.int64, len(states))
         max_blocks = int(-(-lengths.max() // self.block_size))
         # Padded with block 0: a real block, so the padding holds finite values the mask hides.
         padded = np.zeros((len(states), max_blocks), dtype=np.int64)
         for row, state in enumerate(states):
-            table = state.block_ids[:max_blocks]
+            table = self._tables(state)[group][:max_blocks]
             padded[row, : len(table)] = table
         return padded, lengths
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
+    def _copy_blocks(self, copies: list[tuple[int, ...]]) -> None:
+        """(src, dst) in the pools of KV cache group 0, (src, dst, group) in another group's."""
+        for group in range(len(self.group_windows)):
+            mine = [c for c in copies if (c[2] if len(c) > 2 else 0) == group]
+            if not mine:
+                continue
+            src = torch.tensor([c[0] for c in mine], device=self.device)
+            dst = torch.tensor([c[1] for c in mine], device=self.device)
+            for cache, layer_group in zip(self.kv_caches, self.layer_groups, strict=True):
+                if layer_group == group:
+                    cache[:, dst] = cache[:, src]
 
     # -- sampling -------------------------------------------------------------------------
     def sample(

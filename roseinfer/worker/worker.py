@@ -96,7 +96,8 @@ class Worker:
     def cache_state(self) -> dict[str, int]:
         """What this rank holds: the requests its runner knows, its pool's blocks and KV heads."""
         pool = self.runner.kv_caches[0]
-        return {"requests": len(self.runner.requests), "num_blocks": pool.shape[1], "kv_heads": pool.shape[3]}
+        return {"requests": len(self.runner.requests), "num_blocks": sum(self.runner.group_num_blocks),
+                "kv_heads": pool.shape[3]}
 
 
 def run_worker(spec: WorkerSpec) -> None:

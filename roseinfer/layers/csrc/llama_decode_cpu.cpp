@@ -160,6 +160,7 @@ struct Layer {
   int64_t window = 0;    // sliding window, 0: none
   float softcap = 0.0f;  // of the attention scores (Gemma 2), 0: none
   int64_t rotary = 0;    // which of the step's rotation tables q and k rotate with
+  int64_t kv_group = 0;  // which of the step's block tables / slot mappings its pool is read through
   bool gelu = false;     // GeGLU (GELU, tanh approximation) rather than SwiGLU
 };
 
@@ -301,19 +302,34 @@ class LlamaDecoder {
     layers_[index].qk_norm_over_all_heads = true;
   }
 
+  // Layer `index`'s pool belongs to KV cache group `group` (core/kv_cache_groups.py: a model with
+  // full and sliding-window layers keeps one pool, block table and slot mapping per kind).
+  void set_kv_group(int64_t index, int64_t group) {
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "no layer ", index);
+    TORCH_CHECK(group >= 0, "a KV cache group's index cannot be negative");
+    layers_[index].kv_group = group;
+    kv_groups_ = std::max(kv_groups_, group + 1);
+  }
+
   // How many rotation tables forward takes: one per index the layers name.
   int64_t rotary_tables() const { return rotary_tables_; }
 
   // embedded [B, hidden] of the activations' dtype: the rows' token embeddings (unscaled);
   // slot_mapping, context_lens [B] int64; rotations: per table (rotary_tables()) [B, ...,
   // head_dim / 2, 2] float32: (cos, sin) of each row's rotary angles, as models/rotary.py computes
-  // them; block_tables [B, max_blocks] int64;
+  // them; slot_mappings, block_tables: per KV cache group (set_kv_group; one without groups) [B]
+  // and [B, max_blocks] int64;
   // kv_caches: per layer [2, blocks, block_size, kv_heads, head_dim] (float32, 16-bit or q8_0 for a
   // float32 model; bfloat16 or q8_0 for a bfloat16 one). -> logits [B, vocab], float32 from blocks,
   // else of the activations' dtype (as the op-by-op LM head returns them).
-  torch::Tensor forward(torch::Tensor embedded, std::vector<torch::Tensor> rotations, torch::Tensor slot_mapping,
-                        torch::Tensor block_tables, torch::Tensor context_lens, std::vector<torch::Tensor> kv_caches) {
+  torch::Tensor forward(torch::Tensor embedded, std::vector<torch::Tensor> rotations,
+                        std::vector<torch::Tensor> slot_mappings, std::vector<torch::Tensor> block_tables,
+                        torch::Tensor context_lens, std::vector<torch::Tensor> kv_caches) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV pool per layer");
+    TORCH_CHECK(static_cast<int64_t>(slot_mappings.size()) == kv_groups_ &&
+                    static_cast<int64_t>(block_tables.size()) == kv_groups_,
+                "one slot mapping and one block table per KV cache group (", kv_groups_, "), not ",
+                slot_mappings.size(), " and ", block_tables.size());
     for (size_t l = 0; l < layers_.size(); ++l)
       TORCH_CHECK(layers_[l].experts || layers_[l].gate_up.N, "layer ", l, " has no MLP");
     embedded = embedded.contiguous();
@@ -321,7 +337,14 @@ class LlamaDecoder {
                 "embedded: [B, hidden] of the model's dtype (", dtype_, ")");
     TORCH_CHECK(static_cast<int64_t>(rotations.size()) == rotary_tables_, "one rotation tensor per table (",
                 rotary_tables_, "), not ", rotations.size());
-    Step step{{}, slot_mapping.contiguous(), block_tables.contiguous(), context_lens.contiguous()};
+    Step step{{}, {}, {}, context_lens.contiguous()};
+    for (int64_t g = 0; g < kv_groups_; ++g) {
+      step.slots.push_back(slot_mappings[g].contiguous());
+      step.tables.push_back(block_tables[g].contiguous());
+      TORCH_CHECK(step.slots[g].numel() == embedded.size(0) && step.tables[g].dim() == 2 &&
+                      step.tables[g].size(0) == embedded.size(0),
+                  "KV cache group ", g, ": a slot and a block table row per row");
+    }
     for (auto& table : rotations) {
       table = table.contiguous();
       TORCH_CHECK(table.scalar_type() == torch::kFloat && table.numel() == embedded.size(0) * head_dim_,
@@ -335,7 +358,8 @@ class LlamaDecoder {
  private:
   struct Step {
     std::vector<const float*> rotations;  // per table
-    torch::Tensor slots, tables, lens;
+    std::vector<torch::Tensor> slots, tables;  // per KV cache group
+    torch::Tensor lens;
   };
 
   template <typename T>
@@ -517,10 +541,11 @@ class LlamaDecoder {
   template <typename T>
   void attend(const T* qkv, T* out, int64_t B, const torch::Tensor& pool, const Step& step, const Layer& layer) const {
     const int64_t D = head_dim_, q_size = heads_ * D, kv_size = kv_heads_ * D, qkv_size = q_size + 2 * kv_size;
-    const int64_t* slots = step.slots.data_ptr<int64_t>();
-    const int64_t* tables = step.tables.data_ptr<int64_t>();
+    const torch::Tensor& group_tables = step.tables[layer.kv_group];
+    const int64_t* slots = step.slots[layer.kv_group].data_ptr<int64_t>();
+    const int64_t* tables = group_tables.data_ptr<int64_t>();
     const int64_t* lens = step.lens.data_ptr<int64_t>();
-    const int64_t max_blocks = step.tables.size(1), block_size = pool.size(2), pool_half = pool.numel() / 2;
+    const int64_t max_blocks = group_tables.size(1), block_size = pool.size(2), pool_half = pool.numel() / 2;
     auto run = [&](auto* keys) {  // keys, then values, in one pool
       using cache_t = std::remove_pointer_t<decltype(keys)>;
       const int64_t row = roseinfer::kv_row_elements<cache_t>(D);
@@ -582,6 +607,7 @@ class LlamaDecoder {
   int64_t hidden_, heads_, kv_heads_, head_dim_, intermediate_;
   float embedding_scale_;  // Gemma's sqrt(hidden), of the activations' dtype; 0: none
   int64_t rotary_tables_ = 0;
+  int64_t kv_groups_ = 1;  // one more than the highest group a layer names
   float eps_;
   c10::ScalarType dtype_;
   torch::Tensor final_norm_;
@@ -593,6 +619,7 @@ void bind_llama_decoder(pybind11::module& m) {
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, LinearSpec,
                           std::vector<LlamaDecoder::LayerSpec>, double>())
+      .def("set_kv_group", &LlamaDecoder::set_kv_group, "a layer's KV pool is read through a group's tables")
       .def("rotary_tables", &LlamaDecoder::rotary_tables, "how many rotation tensors forward takes")
       .def("set_sparse_mlp", &LlamaDecoder::set_sparse_mlp, "a layer's MLP is a mixture of experts")
       .def("set_qk_norm_over_all_heads", &LlamaDecoder::set_qk_norm_over_all_heads,
