@@ -39,7 +39,8 @@ FIXTURE_SOURCES = {
     # allenai/OLMoE-1B-7B-0924-Instruct (Tulu's template, with bos_token). Sources: (1) a
     # llama-cpp-python tool-use preset table whose "allenai/OLMoE-1B-7B-0924-Instruct-GGUF" entry
     # holds the template of allenai's own GGUF; (2) an offline OLMoE tokenizer backend that pins
-    # "the exact OLMoE template" and checks it against the fixed-revision tokenizer_config.json.
+    # "the exact OLMoE template" and refuses to run unless the model's tokenizer_config.json
+    # chat_template equals it (bos and eos <|endoftext|>).
     "allenai-OLMoE-1B-7B-0924-Instruct": "1ca918f1bbf9c4d4de517e7fc5d1fa80ce0be74fb8df8a66b74d931a6b8bdf0a",
 }
 # Gemma 2's (google/gemma-2-2b-it, = 9b/27b-it) is in llama.cpp's collection; ollama's gemma2:2b
@@ -50,6 +51,7 @@ def chat_template(name: str) -> str:
     if name in FIXTURE_SOURCES:
         return (FIXTURES / f"{name}.jinja").read_text(encoding="utf-8")
     return llama_cpp_chat_template(name)
+
 
 TOOLS = [{
     "type": "function",
