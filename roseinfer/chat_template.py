@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -31,8 +32,9 @@ def render_chat_template(
     Both are positional-only, so no name in `extra` (a caller's chat_template_kwargs) collides."""
     if not isinstance(template, str):
         raise ValueError(f"a chat template must be a string, got {type(template).__name__}")
+    compiled = _compile(template)
     variables: dict[str, Any] = {
-        "messages": normalize_messages(messages),
+        "messages": normalize_messages(messages, keep_parts=_reads_content_parts(template)),
         "add_generation_prompt": add_generation_prompt,
         # Templates test `tools is not none`; an undefined name would pass that test.
         "tools": None,
@@ -41,7 +43,6 @@ def render_chat_template(
     # A missing special token stays undefined (renders as ""), never the string "None".
     variables.update((k, v) for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v is not None)
     variables.update(extra)
-    compiled = _compile(template)
     try:
         return compiled.render(variables)
     except ValueError:  # raise_exception() in the template, already a clear message
@@ -52,8 +53,10 @@ def render_chat_template(
         raise ValueError(f"chat template failed to render: {type(exc).__name__}: {exc}") from exc
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """Checked copies of the messages, with list-of-parts content joined into one string."""
+def normalize_messages(messages: Any, *, keep_parts: bool = False) -> list[dict[str, Any]]:
+    """Checked copies of the messages. List-of-parts content (text parts only) is joined into one
+    string, unless `keep_parts`: then the template gets the parts themselves, as transformers
+    passes them (for templates that loop over a message's parts, e.g. Gemma 3's)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
     normalized = []
@@ -67,7 +70,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         copy = {key: value for key, value in message.items() if value is not None}
         content = message.get("content")
         if isinstance(content, list):
-            copy["content"] = _join_text_parts(content, index)
+            texts = _text_parts(content, index)
+            copy["content"] = [dict(part) for part in content] if keep_parts else "\n".join(texts)
         elif content is None:
             # An assistant turn that only calls tools has no content; anything else needs some.
             if not message.get("tool_calls"):
@@ -81,7 +85,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     return normalized
 
 
-def _join_text_parts(parts: list[Any], index: int) -> str:
+def _text_parts(parts: list[Any], index: int) -> list[str]:
     texts = []
     for part in parts:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -91,7 +95,7 @@ def _join_text_parts(parts: list[Any], index: int) -> str:
                 "{'type': 'text', 'text': ...} parts are supported"
             )
         texts.append(part["text"])
-    return "\n".join(texts)
+    return texts
 
 
 # -- the jinja environment ------------------------------------------------------------------------
@@ -134,6 +138,25 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
+
+
+@lru_cache(maxsize=32)
+def _reads_content_parts(template: str) -> bool:
+    """Whether the template loops over a message's content (`for x in m['content']` or
+    `m.content`): such templates render list content themselves, and a string joined from the
+    parts would render differently (vLLM's "openai" content format). Others get the parts
+    joined, where transformers would print the list's repr."""
+    try:
+        tree = _environment().parse(template)
+    except TemplateSyntaxError:
+        return False  # _compile reports it
+    for loop in tree.find_all(nodes.For):
+        target = loop.iter
+        if isinstance(target, nodes.Getattr) and target.attr == "content":
+            return True
+        if isinstance(target, nodes.Getitem) and isinstance(target.arg, nodes.Const) and target.arg.value == "content":
+            return True
+    return False
 
 
 @lru_cache(maxsize=32)

@@ -39,15 +39,16 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (5, 11, 40)]
 
 
-def _sentencepiece_model(path: Path) -> None:
+def _sentencepiece_model(path: Path, symbols: tuple[str, ...] = ()) -> None:
     """llama.cpp's Gemma 2 converter reads the vocabulary from a sentencepiece tokenizer.model (the
-    model's ids are what is compared, not its text): one trained on the test corpus."""
+    model's ids are what is compared, not its text): one trained on the test corpus, with
+    `symbols` as whole tokens."""
     import sentencepiece
 
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(CORPUS), model_writer=model, vocab_size=400, model_type="bpe",
-        byte_fallback=True, minloglevel=2,
+        byte_fallback=True, minloglevel=2, **({"user_defined_symbols": list(symbols)} if symbols else {}),
     )
     path.write_bytes(model.getvalue())
 
@@ -352,6 +353,41 @@ def test_gemma_config_from_both_files(models):
     gemma2 = model_config_from_hf(models["gemma2"])
     assert gemma2.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
     assert gemma2.attn_logit_softcapping == 5.0 and gemma2.final_logit_softcapping == 3.0
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_gguf_stops_where_the_checkpoint_does(tmp_path, kind):
+    """An instruct Gemma's generation_config.json ends generation at <end_of_turn> as well as <eos>
+    (gemma-2-2b-it: [1, 107]); llama.cpp's converter writes only <eos> to the GGUF file (and finds
+    <end_of_turn> by its text when it loads one). Ours finds it too: the converted file stops where
+    the Hugging Face checkpoint does."""
+    import json
+
+    import sentencepiece
+
+    from roseinfer.models.gguf_file import GGUFFile
+    from roseinfer.models.gguf_loader import model_config_from_gguf
+    from roseinfer.models.hf_config import model_config_from_hf
+
+    hf = tmp_path / kind
+    hf.mkdir()
+    _sentencepiece_model(hf / "tokenizer.model", ("<start_of_turn>", "<end_of_turn>"))
+    vocab = sentencepiece.SentencePieceProcessor(model_file=str(hf / "tokenizer.model"))
+    end_of_turn = vocab.piece_to_id("<end_of_turn>")
+    common = dict(vocab_size=vocab.get_piece_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=32, eos_token_id=vocab.eos_id(),
+                  bos_token_id=vocab.bos_id(), pad_token_id=vocab.pad_id() if vocab.pad_id() >= 0 else 0)
+    config = transformers.Gemma2Config(**common) if kind == "gemma2" else transformers.Gemma3TextConfig(**common)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf)
+    (hf / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": vocab.bos_id(), "eos_token_id": [vocab.eos_id(), end_of_turn]}
+    ))
+    gguf = GGUFFile(convert_hf_to_gguf(hf, tmp_path / f"{kind}.gguf"))
+    assert gguf.metadata["tokenizer.ggml.tokens"][end_of_turn] == "<end_of_turn>"
+    assert "tokenizer.ggml.eot_token_id" not in gguf.metadata  # what the converter leaves out
+    hf_config, gguf_config = model_config_from_hf(hf), model_config_from_gguf(gguf)
+    assert sorted(hf_config.eos_token_ids) == [vocab.eos_id(), end_of_turn]
+    assert sorted(gguf_config.eos_token_ids) == sorted(hf_config.eos_token_ids)
 
 
 def test_prefix_caching_and_preemption_on_gemma(models):

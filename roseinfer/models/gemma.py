@@ -251,8 +251,14 @@ class GemmaForCausalLM(LlamaForCausalLM):
         elif source.get("rope.scaling.type") not in (None, "none"):
             raise source.error(f"rope scaling {source.get('rope.scaling.type')!r} is not supported")
         theta = float(source.key("rope.freq_base", 10000.0 if arch == "gemma2" else 1_000_000.0))
+        # The instruct models end each turn with <end_of_turn> (their generation_config.json lists
+        # it beside <eos>), but llama.cpp's converter writes only <eos>; llama.cpp finds the other
+        # by its text when loading, and so do we.
+        tokens = source.metadata.get("tokenizer.ggml.tokens") or []
+        end_of_turn = [tokens.index("<end_of_turn>")] if "<end_of_turn>" in tokens else []
         return source.build(
             **fields,
+            eos_token_ids=list(dict.fromkeys(common["eos_token_ids"] + end_of_turn)),
             rope_theta=theta,
             rope_scaling=scaling,
             qk_norm=arch == "gemma3",
