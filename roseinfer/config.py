@@ -388,38 +388,48 @@ class EngineConfig:
             held = min(length, model_config.attention_span + self.max_num_batched_tokens + self.block_size)
         windows = kv_group_windows(model_config.layer_windows)
         groups = layer_kv_groups(model_config.layer_windows)
-        sliding_bytes = 0
         if len(windows) == 1 and self.num_kv_blocks_sliding is not None:
             raise InvalidRequestError(
                 "num_kv_blocks_sliding applies to a model with both full-attention and sliding-window layers; "
                 f"{model_config.architecture}'s layers are all one kind (use num_kv_blocks)", "num_kv_blocks_sliding",
             )
+        full_block = model_config.kv_block_bytes(self.block_size, kv_dtype, self.tensor_parallel_size, groups.count(0))
+        sliding_block = model_config.kv_block_bytes(self.block_size, kv_dtype, self.tensor_parallel_size,
+                                                    len(groups) - groups.count(0))
+        usable = self.max_num_seqs * -(-held // self.block_size)
+        # A sequence holds at most this many blocks in a sliding group (see kv_cache_groups.py).
+        sliding_usable = 0
         if len(windows) > 1:
-            # Each sliding group's pool: what max_num_seqs sequences hold in its window at most (the
-            # largest window's, for every sliding group); the full-attention group gets the rest.
             per_sequence = min(-(-length // self.block_size), sliding_blocks_per_sequence(
                 max(windows[1:]), self.max_num_batched_tokens, self.block_size))
-            if self.num_kv_blocks_sliding is None:
-                self.num_kv_blocks_sliding = self.max_num_seqs * per_sequence
-            elif self.num_kv_blocks_sliding < per_sequence:  # a long request would never fit
+            sliding_usable = self.max_num_seqs * per_sequence
+            if self.num_kv_blocks_sliding is not None and self.num_kv_blocks_sliding < per_sequence:
                 raise InvalidRequestError(
                     f"num_kv_blocks_sliding {self.num_kv_blocks_sliding} is fewer than one sequence's sliding-window "
                     f"layers may hold ({per_sequence} blocks of {self.block_size} tokens)", "num_kv_blocks_sliding",
                 )
-            sliding_bytes = self.num_kv_blocks_sliding * model_config.kv_block_bytes(
-                self.block_size, self.kv_cache_torch_dtype, self.tensor_parallel_size, len(groups) - groups.count(0))
         if self.num_kv_blocks is None:
             gib = self.kv_cache_memory or self.DEFAULT_KV_CACHE_GIB
-            per_block = model_config.kv_block_bytes(self.block_size, self.kv_cache_torch_dtype, self.tensor_parallel_size,
-                                                    groups.count(0))
-            budget = int((gib * GIB - sliding_bytes) // per_block)
-            if budget < 1:
-                sliding = f" after the sliding-window layers' {sliding_bytes} bytes" if sliding_bytes else ""
+            budget = int(gib * GIB)
+            if self.num_kv_blocks_sliding is not None:
+                budget -= self.num_kv_blocks_sliding * sliding_block
+            elif sliding_usable:
+                # A sequence never holds more sliding blocks than full ones, so a sliding pool as
+                # large as the full pool never runs out first: the pools grow together up to the
+                # sliding pool's use (max_num_seqs windows), then the full pool takes the rest.
+                together = budget // (full_block + sliding_block)
+                if together >= sliding_usable:
+                    budget -= sliding_usable * sliding_block
+                else:
+                    budget = together * full_block
+            blocks = budget // full_block
+            if blocks < 1:  # (a model with one kind of layers has no sliding block: 0 bytes)
                 raise InvalidRequestError(
-                    f"kv_cache_memory {gib} GiB holds no block of {per_block} bytes{sliding}", "kv_cache_memory"
+                    f"kv_cache_memory {gib} GiB holds no block of {full_block + sliding_block} bytes", "kv_cache_memory"
                 )
-            usable = self.max_num_seqs * -(-held // self.block_size)
-            self.num_kv_blocks = min(budget, usable)
+            self.num_kv_blocks = min(blocks, usable)
+        if sliding_usable and self.num_kv_blocks_sliding is None:
+            self.num_kv_blocks_sliding = min(self.num_kv_blocks, sliding_usable)
         capacity = self.num_kv_blocks * self.block_size
         if capacity < held:
             logger.warning(

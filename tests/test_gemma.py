@@ -272,19 +272,31 @@ def test_gemma_preempts_when_its_sliding_pool_runs_out(models):
     engine.kv_cache.check_invariants()
 
 
-def test_kv_cache_memory_goes_to_the_full_pool_after_the_sliding_pool(models):
-    """Memory-based sizing: the sliding layers' pool takes max_num_seqs x the window bound's
-    blocks, the full-attention layers' pool what is left of --kv-cache-memory."""
+def test_kv_cache_memory_is_shared_by_the_two_pools(models):
+    """Memory-based sizing: the pools grow together (a sequence never holds more sliding blocks than
+    full ones) up to max_num_seqs x the window bound's sliding blocks, then the full-attention pool
+    takes the rest; with memory for fewer, both get the same count and max_model_len is lowered;
+    with num_kv_blocks given, the sliding pool is no larger. (A Gemma 3 4B at the defaults asked for
+    31 GB of sliding pool when it was sized for max_num_seqs windows whatever the memory.)"""
     from roseinfer import EngineConfig
     from roseinfer.models.hf_config import model_config_from_hf
 
     model = model_config_from_hf(models["gemma3"])  # five sliding layers, one full
     per_sequence = sliding_blocks_per_sequence(WINDOW, 8, 4)
-    sliding_bytes = 2 * per_sequence * model.kv_block_bytes(4, torch.float32, num_layers=5)
-    gib = (sliding_bytes + 10 * model.kv_block_bytes(4, torch.float32, num_layers=1)) / 1024**3
-    config = EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, kv_cache_memory=gib)
-    config.resolve(model)
-    assert (config.num_kv_blocks_sliding, config.num_kv_blocks) == (2 * per_sequence, 10)
+    full, sliding = (model.kv_block_bytes(4, torch.float32, num_layers=n) for n in (1, 5))
+
+    def resolved(**kwargs) -> EngineConfig:
+        config = EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, **kwargs)
+        config.resolve(model)
+        return config
+
+    roomy = resolved(kv_cache_memory=(2 * per_sequence * (full + sliding) + 10 * full) / 1024**3)
+    assert (roomy.num_kv_blocks_sliding, roomy.num_kv_blocks) == (2 * per_sequence, 2 * per_sequence + 10)
+    tight = resolved(kv_cache_memory=(per_sequence + 1) * (full + sliding) / 1024**3)
+    assert (tight.num_kv_blocks_sliding, tight.num_kv_blocks) == (per_sequence + 1, per_sequence + 1)
+    assert tight.max_model_len == (per_sequence + 1) * 4
+    assert resolved(num_kv_blocks=9).num_kv_blocks_sliding == 9
+    assert resolved(num_kv_blocks=100).num_kv_blocks_sliding == 2 * per_sequence
 
 
 def test_num_kv_blocks_sliding_is_for_models_with_both_kinds_of_layers(models):
