@@ -347,8 +347,9 @@ struct IQ4_XSx8 {
 };
 
 // ------------------------------------------------------------------------------------------------
-// Q6_K: per super-block, the 8 rows' d (float16), the scales ([run][row] int8, 16 runs of 16),
-// then low-nibble chunks (h, c) for h < 2, c < 8: bytes 64 h + 8 c of each row's ql, then
+// Q6_K: per super-block, the 8 rows' d (float16), the scales (int8, 16 runs of 16) in quads of
+// runs ([quad q][row][runs 4q .. 4q + 3]: as words, one quad is each row's four scales in its two
+// lanes, what a VPDPWSSD against four runs' activation sums takes), then low-nibble chunks (h, c) for h < 2, c < 8: bytes 64 h + 8 c of each row's ql, then
 // high-bit chunks (h, c) for c < 4: bytes 32 h + 8 c of each row's qh. 210 bytes a row, as the file.
 // ------------------------------------------------------------------------------------------------
 
@@ -362,17 +363,20 @@ struct Q6_Kx8 {
 
   static int native(int p) { return p; }
 
+  // Where run s's scale of row r sits in the scales.
+  static constexpr int quad_place(int s, int r) { return (s / 4) * 4 * kRows + 4 * r + s % 4; }
+
   static void interleave(const uint8_t* const rows[kRows], uint8_t* unit) {
     for (int r = 0; r < kRows; ++r) {
       std::memcpy(unit + 2 * r, rows[r] + 208, 2);
-      for (int s = 0; s < 16; ++s) unit[kScales + s * kRows + r] = rows[r][192 + s];
+      for (int s = 0; s < 16; ++s) unit[kScales + quad_place(s, r)] = rows[r][192 + s];
       for (int ch = 0; ch < 16; ++ch) std::memcpy(unit + kLow + ch * 64 + r * 8, rows[r] + ch * 8, 8);
       for (int ch = 0; ch < 8; ++ch) std::memcpy(unit + kHigh + ch * 64 + r * 8, rows[r] + 128 + ch * 8, 8);
     }
   }
   static void gather(const uint8_t* unit, int r, uint8_t* row) {
     std::memcpy(row + 208, unit + 2 * r, 2);
-    for (int s = 0; s < 16; ++s) row[192 + s] = unit[kScales + s * kRows + r];
+    for (int s = 0; s < 16; ++s) row[192 + s] = unit[kScales + quad_place(s, r)];
     for (int ch = 0; ch < 16; ++ch) std::memcpy(row + ch * 8, unit + kLow + ch * 64 + r * 8, 8);
     for (int ch = 0; ch < 8; ++ch) std::memcpy(row + 128 + ch * 8, unit + kHigh + ch * 64 + r * 8, 8);
   }
@@ -381,9 +385,13 @@ struct Q6_Kx8 {
   template <int T>
   static void dot8(const uint8_t* rows, int64_t units, const Activations& a, int64_t m0, float out[][kRows]) {
     const __m512i nibble = _mm512_set1_epi8(0x0F), bits = _mm512_set1_epi8(0x30);
-    // Word w of a VPMADDUBSW result covers bytes 2w, 2w + 1: row w / 4.
-    const __m512i word_row = _mm512_set_epi16(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2,
-                                              1, 1, 1, 1, 0, 0, 0, 0);
+    // Word w of a VPMADDUBSW result covers bytes 2w, 2w + 1: row w / 4. pick[i]: word w takes word
+    // 4 (w / 4) + i of a quad (its row's scale of run 4q + i).
+    __m512i pick[4];
+    for (int i = 0; i < 4; ++i)
+      pick[i] = _mm512_add_epi16(_mm512_set_epi16(28, 28, 28, 28, 24, 24, 24, 24, 20, 20, 20, 20, 16, 16, 16, 16, 12,
+                                                  12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0),
+                                 _mm512_set1_epi16(static_cast<int16_t>(i)));
     __m512 acc[T];
     for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t u = 0; u < units; ++u) {
@@ -391,13 +399,13 @@ struct Q6_Kx8 {
       prefetch_unit<kBytes>(unit);
       __m512i sums[T], offsets[T];
       for (int t = 0; t < T; ++t) sums[t] = offsets[t] = _mm512_setzero_si512();
-      // The 16 runs' scales, each as words (word w: row w / 4), built once a unit: each serves two
-      // chunks of codes and the run's offset.
-      __m512i scales[16];
-      for (int run = 0; run < 16; ++run)
-        scales[run] = _mm512_permutexvar_epi16(
-            word_row, _mm512_castsi128_si512(_mm_cvtepi8_epi16(
-                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(unit + kScales + run * kRows)))));
+      // The scales as words, a quad of runs a vector, and each of the 16 runs' (word w: row w / 4),
+      // built once a unit: each serves two chunks of codes.
+      __m512i quads[4], scales[16];
+      for (int q = 0; q < 4; ++q) {
+        quads[q] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + kScales + q * 32)));
+        for (int i = 0; i < 4; ++i) scales[4 * q + i] = _mm512_permutexvar_epi16(pick[i], quads[q]);
+      }
       for (int h = 0; h < 2; ++h)
         for (int c = 0; c < 4; ++c) {
           const __m512i l0 = _mm512_loadu_si512(unit + kLow + (h * 8 + c) * 64);
@@ -420,13 +428,16 @@ struct Q6_Kx8 {
             }
           }
         }
-      // The codes carry +32: 32 * scale * (run's activation code sum) comes off, once per row: the
-      // sum in the first word of each row's four (words 4r), so lane 2r takes it and 2r + 1 none.
+      // The codes carry +32: 32 * scale * (run's activation code sum) comes off, per row. A quad's
+      // lanes 2r and 2r + 1 hold row r's scales of runs (4q, 4q + 1) and (4q + 2, 4q + 3): against
+      // the four runs' sums, one VPDPWSSD per quad.
       for (int t = 0; t < T; ++t) {
         const int16_t* run_sums = a.sums + (m0 + t) * a.sums_stride + u * 16;
-        for (int run = 0; run < 16; ++run)
-          offsets[t] = _mm512_dpwssd_epi32(offsets[t], scales[run],
-                                           _mm512_set1_epi64(static_cast<uint16_t>(run_sums[run])));
+        for (int q = 0; q < 4; ++q) {
+          int64_t four;
+          std::memcpy(&four, run_sums + 4 * q, 8);
+          offsets[t] = _mm512_dpwssd_epi32(offsets[t], quads[q], _mm512_set1_epi64(four));
+        }
       }
       const __m512 d = row_pairs(unit);
       for (int t = 0; t < T; ++t) {
