@@ -2,7 +2,8 @@
 
 For each file, each measurement in a process of its own and never beside another:
   * one stream, tg N: `llama-bench -p 0 -n N` against `LLM.generate` of N tokens after a one-token
-    prompt (greedy, EOS ignored; timed from the first decoded token, as `bench single` does);
+    prompt (greedy, EOS ignored; timed from the first decoded token, the mean of 5 requests, as
+    `bench single` does and as llama-bench averages its 5 repetitions);
   * prompt processing, pp P: `llama-bench -p P -n 0` against the prefill of a P-token prompt (one
     request, one token out, timed to its first token; the median of --repeats);
   * served, S streams at once: `roseinfer serve` and `llama-server -np S -c S*C` through the same

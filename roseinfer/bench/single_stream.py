@@ -2,8 +2,9 @@
 
 llama.cpp's figure is `llama-bench -p 0 -n N -t <threads>` (tg N: N tokens generated from an
 empty context, prompt time excluded) on the GGUF file itself. Ours is the same count of new tokens
-for a one-token prompt through `LLM.generate` (greedy, EOS ignored), timed from the first decoded
-token to the last so that prompt time is excluded too. Each configuration runs in a fresh process,
+for a one-token prompt (greedy, EOS ignored), timed from the first decoded token to the last so
+that prompt time is excluded too, averaged over 5 requests as llama-bench averages its 5
+repetitions. Each configuration runs in a fresh process,
 the peer and our configurations alternate, and the whole round is repeated (--repeats): the load
 average is printed beside each figure because these machines are noisy.
 """
@@ -27,8 +28,10 @@ CONFIGURATIONS = {  # name -> LLM(...) keywords
 }
 
 
-def measure_ours(model: str | None, settings: dict, tokens: int, threads: int) -> float:
-    """Tokens per second of one stream's decode, after a warm-up request."""
+def measure_ours(model: str | None, settings: dict, tokens: int, threads: int, repetitions: int = 5) -> float:
+    """Tokens per second of one stream's decode after a warm-up request: the mean over
+    `repetitions` requests of each one's rate, the statistic llama-bench prints (avg_ts over its
+    default 5 repetitions), so that both figures average the same number of runs."""
     import torch
 
     torch.set_num_threads(threads)
@@ -38,18 +41,21 @@ def measure_ours(model: str | None, settings: dict, tokens: int, threads: int) -
     warm = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     llm.generate(prompt_token_ids=[[1]], sampling_params=warm, use_tqdm=False)
     engine = llm.llm_engine
-    engine.add_request("single", [1],
-                       SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True))
-    started = None
-    produced = latest = 0
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            count = len(output.outputs[0].token_ids)
-            if started is None and count:
-                started, produced = time.perf_counter(), count  # the prompt's token: not timed
-            else:
-                latest = count
-    return (latest - produced) / (time.perf_counter() - started)
+    rates = []
+    for repetition in range(repetitions):
+        engine.add_request(f"single-{repetition}", [1],
+                           SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True))
+        started = None
+        produced = latest = 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                count = len(output.outputs[0].token_ids)
+                if started is None and count:
+                    started, produced = time.perf_counter(), count  # the prompt's token: not timed
+                else:
+                    latest = count
+        rates.append((latest - produced) / (time.perf_counter() - started))
+    return sum(rates) / len(rates)
 
 
 def measure_llama_bench(binary: Path, model: Path, tokens: int, threads: int) -> float:
