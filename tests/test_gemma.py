@@ -178,11 +178,11 @@ def test_fused_decode_step_equals_the_op_by_op_forward(models, kind, weights):
     if weights.endswith(".gguf"):
         # Gemma 2's sentencepiece vocabulary in GGUF is refused by name: the directory's tokenizer
         options = {"tokenizer": str(models[kind])} if kind == "gemma2" else {}
-        llm = LLM(str(models[f"{kind}.{weights}"]), num_kv_blocks=128, **options)
+        llm = LLM(str(models[f"{kind}.{weights}"]), num_kv_blocks=128, num_kv_blocks_sliding=96, **options)
     elif weights in ("float32", "bfloat16"):
-        llm = LLM(str(models[kind]), num_kv_blocks=128, quantization="none", dtype=weights)
+        llm = LLM(str(models[kind]), num_kv_blocks=128, num_kv_blocks_sliding=96, quantization="none", dtype=weights)
     else:
-        llm = LLM(str(models[kind]), num_kv_blocks=128, quantization=weights)
+        llm = LLM(str(models[kind]), num_kv_blocks=128, num_kv_blocks_sliding=96, quantization=weights)
     runner = llm.engine.runner
     fused = runner.fused_decoder
     assert fused is not None, "Gemma decodes op by op"
