@@ -17,7 +17,8 @@ import struct
 import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
+from kv_cache_machine import RequestLifecycleMachine
 
 from roseinfer.core.kv_cache_manager import KVCacheManager
 
@@ -27,7 +28,7 @@ TOKENS = st.integers(0, 1)
 SALTS = st.sampled_from([None, "a", "b"])
 
 
-class BlockManagerMachine(RuleBasedStateMachine):
+class BlockManagerMachine(RequestLifecycleMachine):
     span: int | None = None  # every layer's sliding window (None: full attention)
 
     def __init__(self) -> None:
@@ -88,32 +89,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
             released = self._num_released(len(self.tokens[request_id]))
             assert self.manager.block_table(request_id)[released:] == table_before[released:]
             assert self.manager.num_free_blocks == free_before + self._newly_released(table_before, released)
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def fork(self, data) -> None:
-        parent = data.draw(st.sampled_from(sorted(self.tokens)))
-        child = next(self.ids)
-        self.manager.fork(parent, child)
-        self.tokens[child] = list(self.tokens[parent])
-        self.salts[child] = self.salts[parent]
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def free(self, data) -> None:
-        request_id = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.manager.free(request_id)
-        del self.tokens[request_id], self.salts[request_id]
-
-    @rule()
-    def end_step(self) -> None:
-        """What the scheduler does after a step: cache every block that is full and computed."""
-        for request_id, tokens in self.tokens.items():
-            self.manager.cache_computed_blocks(request_id, tokens, len(tokens), self.salts[request_id])
-
-    @invariant()
-    def bookkeeping_is_consistent(self) -> None:
-        self.manager.check_invariants()
 
     def _num_released(self, num_computed: int) -> int:
         """Leading blocks no query at position >= num_computed reads (none without a window)."""

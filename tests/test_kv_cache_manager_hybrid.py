@@ -13,7 +13,8 @@ import itertools
 
 from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
+from kv_cache_machine import RequestLifecycleMachine
 
 from roseinfer.core.kv_cache_groups import (
     kv_group_windows,
@@ -31,7 +32,7 @@ TOKENS = st.integers(0, 1)
 SALTS = st.sampled_from([None, "a"])
 
 
-class HybridBlockManagerMachine(RuleBasedStateMachine):
+class HybridBlockManagerMachine(RequestLifecycleMachine):
     def __init__(self) -> None:
         super().__init__()
         self.manager = HybridKVCacheManager([
@@ -109,31 +110,6 @@ class HybridBlockManagerMachine(RuleBasedStateMachine):
             keep = before + min(accepted, len(drafts))
             self.manager.free_tail(request_id, keep)
             del self.tokens[request_id][keep:]
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def fork(self, data) -> None:
-        parent = data.draw(st.sampled_from(sorted(self.tokens)))
-        child = next(self.ids)
-        self.manager.fork(parent, child)
-        self.tokens[child] = list(self.tokens[parent])
-        self.salts[child] = self.salts[parent]
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def free(self, data) -> None:
-        request_id = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.manager.free(request_id)
-        del self.tokens[request_id], self.salts[request_id]
-
-    @rule()
-    def end_step(self) -> None:
-        for request_id, tokens in self.tokens.items():
-            self.manager.cache_computed_blocks(request_id, tokens, len(tokens), self.salts[request_id])
-
-    @invariant()
-    def bookkeeping_is_consistent(self) -> None:
-        self.manager.check_invariants()
 
     @invariant()
     def every_request_reads_back_its_tokens(self) -> None:
