@@ -95,6 +95,26 @@ def test_kernel_window_and_softcap_match_the_pytorch_path(kernel, window, softca
     assert (plain.float() - expected).abs().max() > 10 * tolerance  # the parameters changed the result
 
 
+@pytest.mark.parametrize("lengths", [[100], [17, 33], [1, 40, 15]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fewer_sequences_than_threads_split_their_kv_heads(kernel, lengths, dtype):
+    """A batch smaller than the thread count splits each sequence's KV heads among tasks (8 threads:
+    3 KV heads in slices of one; unequal slices of 5 KV heads), each task its heads' slice of the
+    pool's rows and of q and out: the same result as the PyTorch path, with and without a window."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        for heads, kv_heads in [(12, 3), (10, 5)]:
+            for window in (None, 20):
+                q, kv_cache, tables, lens = random_step(heads, kv_heads, 64, lengths, dtype)
+                layer = AttentionLayerParams(heads, kv_heads, 64, 0.125, sliding_window=window)
+                out, expected = decode_both_ways(q, kv_cache, tables, lens, layer)
+                tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+                assert (out.float() - expected.float()).abs().max() < tolerance
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_reads_queries_in_place(kernel, dtype):
     """q as the model hands it over, a strided view of the fused qkv output: read in place, the

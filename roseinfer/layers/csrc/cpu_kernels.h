@@ -15,6 +15,7 @@
 #include <sleef.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -169,18 +170,27 @@ inline void rotate_heads(scalar_t* __restrict x, int64_t heads, int64_t head_dim
   }
 }
 
-// One sequence's decode attention over the paged pool (float32, bfloat16 or half storage): q
-// [heads, head_dim] (unscaled) -> out [heads, head_dim]. The buffers are scratch space reused
+// One sequence's decode attention over the paged pool (float32, bfloat16 or half storage) for its KV
+// heads [kv_first, kv_last) and their query heads: q [heads, head_dim] (unscaled) -> those heads of
+// out [heads, head_dim] (the others untouched). The buffers are scratch space reused
 // between calls. Queries and outputs are float32 over any pool, or bfloat16 over a bfloat16 or
 // q8_0 pool (a bfloat16 model), as paged_decode_attention takes them.
 // (A q8_0 pool is int8_t here: see kv_row_elements.) window > 0: the last `window` tokens only;
 // softcap > 0: scores soft-capped before the softmax (see paged_decode_attention).
 template <typename scalar_t, typename cache_t>
-void paged_attention_sequence(const scalar_t* q, const cache_t* k_pool, const cache_t* v_pool,
-                              const int64_t* block_table, int64_t context_len, int64_t heads, int64_t kv_heads,
-                              int64_t block_size, int64_t head_dim, float scale, scalar_t* out,
-                              std::vector<float>& scores, std::vector<float>& work, int64_t window = 0,
-                              float softcap = 0.0f);
+void paged_attention_heads(const scalar_t* q, const cache_t* k_pool, const cache_t* v_pool,
+                           const int64_t* block_table, int64_t context_len, int64_t heads, int64_t kv_heads,
+                           int64_t kv_first, int64_t kv_last, int64_t block_size, int64_t head_dim, float scale,
+                           scalar_t* out, std::vector<float>& scores, std::vector<float>& work, int64_t window = 0,
+                           float softcap = 0.0f);
+
+// Slices of KV heads per sequence for a decode batch of `batch` sequences: enough that every thread
+// has work (one sequence would otherwise attend on one thread while the others wait), else 1.
+inline int64_t kv_head_slices(int64_t batch, int64_t kv_heads) {
+  const int64_t threads = at::get_num_threads();
+  if (batch <= 0 || batch >= threads) return 1;
+  return std::min(kv_heads, (threads + batch - 1) / batch);
+}
 
 // out [M, N] = x [M, K] @ w.T + bias for a weight packed by pack_panels (panel_linear_cpu.cpp), in
 // parallel over the panels; bias: nullptr, or float32 over the packed columns. Only where

@@ -549,21 +549,24 @@ class LlamaDecoder {
     auto run = [&](auto* keys) {  // keys, then values, in one pool
       using cache_t = std::remove_pointer_t<decltype(keys)>;
       const int64_t row = roseinfer::kv_row_elements<cache_t>(D);
-      at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      const int64_t slices = roseinfer::kv_head_slices(B, kv_heads_);
+      at::parallel_for(0, B * slices, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores, work;
-        for (int64_t b = begin; b < end; ++b) {
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t b = task / slices, first = kv_heads_ * (task % slices) / slices,
+                        last = kv_heads_ * (task % slices + 1) / slices;
           // A row's new slot is in a block of its own sequence (shared prefix blocks are full),
-          // so each row can write its key and value and attend in the same task.
+          // so each task can write its heads' keys and values and attend over them.
           const T* k = qkv + b * qkv_size + q_size;
           const T* v = k + kv_size;
-          for (int64_t h = 0; h < kv_heads_; ++h) {
+          for (int64_t h = first; h < last; ++h) {
             roseinfer::store_kv_row(keys + (slots[b] * kv_heads_ + h) * row, k + h * D, D);
             roseinfer::store_kv_row(keys + pool_half + (slots[b] * kv_heads_ + h) * row, v + h * D, D);
           }
-          roseinfer::paged_attention_sequence<T, cache_t>(qkv + b * qkv_size, keys, keys + pool_half,
-                                                          tables + b * max_blocks, lens[b], heads_, kv_heads_,
-                                                          block_size, D, layer.scale, out + b * q_size, scores, work,
-                                                          layer.window, layer.softcap);
+          roseinfer::paged_attention_heads<T, cache_t>(qkv + b * qkv_size, keys, keys + pool_half,
+                                                       tables + b * max_blocks, lens[b], heads_, kv_heads_, first,
+                                                       last, block_size, D, layer.scale, out + b * q_size, scores,
+                                                       work, layer.window, layer.softcap);
         }
       });
     };

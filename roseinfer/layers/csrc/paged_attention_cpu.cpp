@@ -1,7 +1,7 @@
 // Paged attention for decode steps on the CPU: one query token per sequence, keys and values read
 // straight from the block pool through the block table (no gathered copy, no padding).
 //
-// Each (sequence, KV head) pair is one task: the query heads that share the KV head are scored
+// Each sequence (or, in a batch smaller than the threads, each slice of its KV heads) is one task: the query heads that share the KV head are scored
 // against every cached key, softmax-normalised (max-subtracted, in float), and used to weight the
 // values. The pool is read once; all arithmetic is in float whatever the storage type.
 
@@ -80,8 +80,8 @@ void decode_sequence(const scalar_t* __restrict q,      // [heads, head_dim]
                      const cache_t* __restrict k_pool,  // [blocks, block_size, kv_heads, head_dim]
                      const cache_t* __restrict v_pool,
                      const int64_t* __restrict block_table,  // this sequence's blocks
-                     int64_t context_len, int64_t heads, int64_t kv_heads, int64_t block_size,
-                     int64_t head_dim_runtime, float scale, int64_t skip, float softcap,
+                     int64_t context_len, int64_t heads, int64_t kv_heads, int64_t pool_kv_heads,
+                     int64_t block_size, int64_t head_dim_runtime, float scale, int64_t skip, float softcap,
                      scalar_t* __restrict out,  // [heads, head_dim]
                      std::vector<float>& scores_buffer, std::vector<float>& work) {
   const int64_t head_dim = HEAD_DIM ? HEAD_DIM : head_dim_runtime;
@@ -94,11 +94,11 @@ void decode_sequence(const scalar_t* __restrict q,      // [heads, head_dim]
   for (int64_t i = 0; i < heads * head_dim; ++i) qf[i] = roseinfer::load_float(q + i) * scale;
 
   const int64_t row_elements = roseinfer::kv_row_elements<cache_t>(head_dim);
-  const int64_t token_stride = kv_heads * row_elements;
+  const int64_t token_stride = pool_kv_heads * row_elements;
   auto slot_of = [&](int64_t t) { return block_table[t / block_size] * block_size + t % block_size; };
   for (int64_t t = 0; t < context_len; ++t) {
     const cache_t* __restrict row = k_pool + slot_of(t) * token_stride;
-    if (t + kPrefetchDistance < context_len) prefetch_row(k_pool + slot_of(t + kPrefetchDistance) * token_stride, token_stride);
+    if (t + kPrefetchDistance < context_len) prefetch_row(k_pool + slot_of(t + kPrefetchDistance) * token_stride, kv_heads * row_elements);
     for (int64_t head = 0; head < heads; ++head) {
       const cache_t* __restrict k = row + (head / group) * row_elements;
       const float* __restrict qh = qf + head * head_dim;
@@ -111,7 +111,7 @@ void decode_sequence(const scalar_t* __restrict q,      // [heads, head_dim]
   softmax_rows(scores, heads, context_len, context_len, skip, softcap);
   for (int64_t t = 0; t < context_len; ++t) {
     const cache_t* __restrict row = v_pool + slot_of(t) * token_stride;
-    if (t + kPrefetchDistance < context_len) prefetch_row(v_pool + slot_of(t + kPrefetchDistance) * token_stride, token_stride);
+    if (t + kPrefetchDistance < context_len) prefetch_row(v_pool + slot_of(t + kPrefetchDistance) * token_stride, kv_heads * row_elements);
     for (int64_t head = 0; head < heads; ++head) {
       const cache_t* __restrict v = row + (head / group) * row_elements;
       const float p = scores[head * context_len + t];
@@ -224,12 +224,12 @@ void accumulate_values_pairwise(const c10::BFloat16* __restrict rows, int64_t t0
 template <typename scalar_t, typename cache_t, int HEAD_DIM>
 void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restrict k_pool,
                             const cache_t* __restrict v_pool, const int64_t* __restrict block_table,
-                            int64_t context_len, int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
-                            int64_t skip, float softcap, scalar_t* __restrict out, std::vector<float>& scores_buffer,
-                            std::vector<float>& work) {
+                            int64_t context_len, int64_t heads, int64_t kv_heads, int64_t pool_kv_heads,
+                            int64_t block_size, float scale, int64_t skip, float softcap, scalar_t* __restrict out,
+                            std::vector<float>& scores_buffer, std::vector<float>& work) {
   constexpr int V = HEAD_DIM / kLanes;
   constexpr int64_t ROW = roseinfer::kv_row_elements<cache_t>(HEAD_DIM);
-  const int64_t group = heads / kv_heads, token_stride = kv_heads * ROW;
+  const int64_t group = heads / kv_heads, token_stride = pool_kv_heads * ROW;
   const int64_t padded = (context_len + kLanes - 1) / kLanes * kLanes;
   scores_buffer.resize(heads * padded);
   work.assign(heads * HEAD_DIM * 2 + heads * kLanes * kLanes, 0.0f);
@@ -250,7 +250,7 @@ void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restr
     const int64_t count = std::min<int64_t>(kLanes, context_len - start);
     for (int64_t i = 0; i < count; ++i) {
       const cache_t* __restrict row = block_rows(k_pool, block) + offset * token_stride;
-      if (block + 1 < blocks) prefetch_row(block_rows(k_pool, block + 1) + offset * token_stride, token_stride);
+      if (block + 1 < blocks) prefetch_row(block_rows(k_pool, block + 1) + offset * token_stride, kv_heads * ROW);
       if (++offset == block_size) offset = 0, ++block;
       for (int64_t kv = 0; kv < kv_heads; ++kv) {
         const cache_t* __restrict key = row + kv * ROW;
@@ -288,7 +288,13 @@ void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restr
   // KV head's query heads in register-sized chunks (HEADS x V accumulators plus V value registers).
   constexpr int kMaxHeads = std::max(1, 16 / V);
   for (int64_t b = 0; b < blocks; ++b) {
-    if (b + 1 < blocks) prefetch_row(block_rows(v_pool, b + 1), block_elements);
+    if (b + 1 < blocks) {  // (of a slice of the KV heads: its rows of each token only)
+      if (kv_heads == pool_kv_heads) {
+        prefetch_row(block_rows(v_pool, b + 1), block_elements);
+      } else {
+        for (int64_t t = 0; t < block_size; ++t) prefetch_row(block_rows(v_pool, b + 1) + t * token_stride, kv_heads * ROW);
+      }
+    }
     const int64_t t0 = b * block_size, t1 = std::min(context_len, t0 + block_size);
     for (int64_t kv = 0; kv < kv_heads; ++kv) {
       const cache_t* rows = block_rows(v_pool, b) + kv * ROW;
@@ -321,43 +327,49 @@ void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restr
 
 template <typename scalar_t, typename cache_t>
 void decode_dispatch(int64_t head_dim, const scalar_t* q, const cache_t* k, const cache_t* v,
-                     const int64_t* table, int64_t len, int64_t heads, int64_t kv_heads,
+                     const int64_t* table, int64_t len, int64_t heads, int64_t kv_heads, int64_t pool_kv_heads,
                      int64_t block_size, float scale, int64_t skip, float softcap, scalar_t* out,
                      std::vector<float>& scores, std::vector<float>& work) {
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<cache_t, double>) {  // (a double pool takes the plain loops)
     if (head_dim == 64)
-      return decode_sequence_avx512<scalar_t, cache_t, 64>(q, k, v, table, len, heads, kv_heads, block_size, scale,
-                                                           skip, softcap, out, scores, work);
+      return decode_sequence_avx512<scalar_t, cache_t, 64>(q, k, v, table, len, heads, kv_heads, pool_kv_heads,
+                                                           block_size, scale, skip, softcap, out, scores, work);
     if (head_dim == 128)
-      return decode_sequence_avx512<scalar_t, cache_t, 128>(q, k, v, table, len, heads, kv_heads, block_size, scale,
-                                                            skip, softcap, out, scores, work);
+      return decode_sequence_avx512<scalar_t, cache_t, 128>(q, k, v, table, len, heads, kv_heads, pool_kv_heads,
+                                                            block_size, scale, skip, softcap, out, scores, work);
   }
 #endif
   switch (head_dim) {
     case 64:
-      return decode_sequence<scalar_t, cache_t, 64>(q, k, v, table, len, heads, kv_heads, block_size, 64, scale, skip,
-                                           softcap, out, scores, work);
+      return decode_sequence<scalar_t, cache_t, 64>(q, k, v, table, len, heads, kv_heads, pool_kv_heads, block_size,
+                                                    64, scale, skip, softcap, out, scores, work);
     case 128:
-      return decode_sequence<scalar_t, cache_t, 128>(q, k, v, table, len, heads, kv_heads, block_size, 128, scale,
-                                            skip, softcap, out, scores, work);
+      return decode_sequence<scalar_t, cache_t, 128>(q, k, v, table, len, heads, kv_heads, pool_kv_heads, block_size,
+                                                     128, scale, skip, softcap, out, scores, work);
     default:
-      return decode_sequence<scalar_t, cache_t, 0>(q, k, v, table, len, heads, kv_heads, block_size, head_dim, scale,
-                                          skip, softcap, out, scores, work);
+      return decode_sequence<scalar_t, cache_t, 0>(q, k, v, table, len, heads, kv_heads, pool_kv_heads, block_size,
+                                                   head_dim, scale, skip, softcap, out, scores, work);
   }
 }
 
 // A sequence's attention limited to its last `window` tokens (0: all of them), the query being the
 // last token (Hugging Face's sliding window: key positions > query position - window). The blocks
-// wholly before the window are never read; the first block's earlier tokens get zero weight.
+// wholly before the window are never read; the first block's earlier tokens get zero weight. Only
+// KV heads [kv_first, kv_last) and their query heads are computed (a slice of the sequence's work).
 template <typename scalar_t, typename cache_t>
 void decode_window(int64_t head_dim, const scalar_t* q, const cache_t* k, const cache_t* v, const int64_t* table,
-                   int64_t len, int64_t heads, int64_t kv_heads, int64_t block_size, float scale, int64_t window,
-                   float softcap, scalar_t* out, std::vector<float>& scores, std::vector<float>& work) {
+                   int64_t len, int64_t heads, int64_t kv_heads, int64_t kv_first, int64_t kv_last,
+                   int64_t block_size, float scale, int64_t window, float softcap, scalar_t* out,
+                   std::vector<float>& scores, std::vector<float>& work) {
   const int64_t first = window > 0 && len > window ? len - window : 0;
   const int64_t first_block = first / block_size, start = first_block * block_size;
-  decode_dispatch<scalar_t, cache_t>(head_dim, q, k, v, table + first_block, len - start, heads, kv_heads, block_size,
-                                     scale, first - start, softcap, out, scores, work);
+  const int64_t group = heads / kv_heads, row = roseinfer::kv_row_elements<cache_t>(head_dim);
+  const int64_t q_offset = kv_first * group * head_dim;
+  decode_dispatch<scalar_t, cache_t>(head_dim, q + q_offset, k + kv_first * row, v + kv_first * row,
+                                     table + first_block, len - start, (kv_last - kv_first) * group,
+                                     kv_last - kv_first, kv_heads, block_size, scale, first - start, softcap,
+                                     out + q_offset, scores, work);
 }
 
 }  // namespace
@@ -365,20 +377,21 @@ void decode_window(int64_t head_dim, const scalar_t* q, const cache_t* k, const 
 namespace roseinfer {
 
 template <typename scalar_t, typename cache_t>
-void paged_attention_sequence(const scalar_t* q, const cache_t* k_pool, const cache_t* v_pool,
-                              const int64_t* block_table, int64_t context_len, int64_t heads, int64_t kv_heads,
-                              int64_t block_size, int64_t head_dim, float scale, scalar_t* out,
-                              std::vector<float>& scores, std::vector<float>& work, int64_t window, float softcap) {
+void paged_attention_heads(const scalar_t* q, const cache_t* k_pool, const cache_t* v_pool,
+                           const int64_t* block_table, int64_t context_len, int64_t heads, int64_t kv_heads,
+                           int64_t kv_first, int64_t kv_last, int64_t block_size, int64_t head_dim, float scale,
+                           scalar_t* out, std::vector<float>& scores, std::vector<float>& work, int64_t window,
+                           float softcap) {
   DenormalsAreZero flush;
-  decode_window<scalar_t, cache_t>(head_dim, q, k_pool, v_pool, block_table, context_len, heads, kv_heads, block_size,
-                                   scale, window, softcap, out, scores, work);
+  decode_window<scalar_t, cache_t>(head_dim, q, k_pool, v_pool, block_table, context_len, heads, kv_heads, kv_first,
+                                   kv_last, block_size, scale, window, softcap, out, scores, work);
 }
 
 #define ROSEINFER_ATTENTION(scalar_t, cache_t)                                                                  \
-  template void paged_attention_sequence<scalar_t, cache_t>(const scalar_t*, const cache_t*, const cache_t*,   \
-                                                            const int64_t*, int64_t, int64_t, int64_t, int64_t, \
-                                                            int64_t, float, scalar_t*, std::vector<float>&,    \
-                                                            std::vector<float>&, int64_t, float);
+  template void paged_attention_heads<scalar_t, cache_t>(const scalar_t*, const cache_t*, const cache_t*,        \
+                                                         const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, \
+                                                         int64_t, int64_t, float, scalar_t*, std::vector<float>&,     \
+                                                         std::vector<float>&, int64_t, float);
 ROSEINFER_ATTENTION(float, float)
 ROSEINFER_ATTENTION(float, c10::BFloat16)
 ROSEINFER_ATTENTION(float, c10::Half)
@@ -403,12 +416,15 @@ void decode_batch(const torch::Tensor& q, const torch::Tensor& k_pool, const tor
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lengths = context_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  const int64_t slices = roseinfer::kv_head_slices(batch, kv_heads);
+  at::parallel_for(0, batch * slices, 1, [&](int64_t begin, int64_t end) {
     DenormalsAreZero flush;
     std::vector<float> scores, work;
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / slices, slice = task % slices;
       decode_window<scalar_t, cache_t>(head_dim, q_ptr + b * q_stride, k_ptr, v_ptr, tables + b * max_blocks,
-                                       lengths[b], heads, kv_heads, block_size, scale, window, softcap,
+                                       lengths[b], heads, kv_heads, kv_heads * slice / slices,
+                                       kv_heads * (slice + 1) / slices, block_size, scale, window, softcap,
                                        out_ptr + b * heads * head_dim, scores, work);
     }
   });
