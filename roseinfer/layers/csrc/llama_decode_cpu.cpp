@@ -521,6 +521,7 @@ class LlamaDecoder {
         moe.down[e].add_products(act_in + first[e] * I, first[e + 1] - first[e], y.data() + first[e] * H, H,
                                  products);
     roseinfer::gguf_matmul_group(products, exact);
+    std::vector<T> rounded(std::is_same_v<T, float> ? 0 : H);  // an expert's output rounded to T, as its layer returns it
     for (int64_t e = 0; e < E; ++e)
       for (size_t i = 0; i < rows_of[e].size(); ++i) {
         T* dst = out + rows_of[e][i].first * H;
@@ -529,7 +530,6 @@ class LlamaDecoder {
         if constexpr (std::is_same_v<T, float>) {
           add_weighted(dst, yi, weight, H);
         } else {
-          std::vector<T> rounded(H);  // the expert's output, rounded to T as its layer returns it
           for (int64_t h = 0; h < H; ++h) roseinfer::store_float(rounded.data() + h, yi[h]);
           add_weighted(dst, rounded.data(), weight, H);
         }
