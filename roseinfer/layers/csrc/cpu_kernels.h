@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace roseinfer {
@@ -190,6 +191,11 @@ inline int64_t kv_head_slices(int64_t batch, int64_t kv_heads) {
   const int64_t threads = at::get_num_threads();
   if (batch <= 0 || batch >= threads) return 1;
   return std::min(kv_heads, (threads + batch - 1) / batch);
+}
+
+// The KV heads [first, last) of slice `slice` of a sequence's `slices` (sizes differing by at most 1).
+inline std::pair<int64_t, int64_t> kv_head_slice(int64_t kv_heads, int64_t slices, int64_t slice) {
+  return {kv_heads * slice / slices, kv_heads * (slice + 1) / slices};
 }
 
 // out [M, N] = x [M, K] @ w.T + bias for a weight packed by pack_panels (panel_linear_cpu.cpp), in

@@ -553,8 +553,8 @@ class LlamaDecoder {
       at::parallel_for(0, B * slices, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores, work;
         for (int64_t task = begin; task < end; ++task) {
-          const int64_t b = task / slices, first = kv_heads_ * (task % slices) / slices,
-                        last = kv_heads_ * (task % slices + 1) / slices;
+          const int64_t b = task / slices;
+          const auto [first, last] = roseinfer::kv_head_slice(kv_heads_, slices, task % slices);
           // A row's new slot is in a block of its own sequence (shared prefix blocks are full),
           // so each task can write its heads' keys and values and attend over them.
           const T* k = qkv + b * qkv_size + q_size;

@@ -1,9 +1,9 @@
 // Paged attention for decode steps on the CPU: one query token per sequence, keys and values read
 // straight from the block pool through the block table (no gathered copy, no padding).
 //
-// Each sequence (or, in a batch smaller than the threads, each slice of its KV heads) is one task: the query heads that share the KV head are scored
-// against every cached key, softmax-normalised (max-subtracted, in float), and used to weight the
-// values. The pool is read once; all arithmetic is in float whatever the storage type.
+// Each sequence (in a batch smaller than the thread count, each slice of its KV heads) is one task:
+// the query heads that share a KV head are scored against every cached key, softmax-normalised
+// (max-subtracted, in float), and used to weight the values. The pool is read once; all arithmetic is in float whatever the storage type.
 
 #include <torch/extension.h>
 
@@ -421,10 +421,10 @@ void decode_batch(const torch::Tensor& q, const torch::Tensor& k_pool, const tor
     DenormalsAreZero flush;
     std::vector<float> scores, work;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / slices, slice = task % slices;
+      const int64_t b = task / slices;
+      const auto [first, last] = roseinfer::kv_head_slice(kv_heads, slices, task % slices);
       decode_window<scalar_t, cache_t>(head_dim, q_ptr + b * q_stride, k_ptr, v_ptr, tables + b * max_blocks,
-                                       lengths[b], heads, kv_heads, kv_heads * slice / slices,
-                                       kv_heads * (slice + 1) / slices, block_size, scale, window, softcap,
+                                       lengths[b], heads, kv_heads, first, last, block_size, scale, window, softcap,
                                        out_ptr + b * heads * head_dim, scores, work);
     }
   });
