@@ -288,13 +288,8 @@ void decode_sequence_avx512(const scalar_t* __restrict q, const cache_t* __restr
   // KV head's query heads in register-sized chunks (HEADS x V accumulators plus V value registers).
   constexpr int kMaxHeads = std::max(1, 16 / V);
   for (int64_t b = 0; b < blocks; ++b) {
-    if (b + 1 < blocks) {  // (of a slice of the KV heads: its rows of each token only)
-      if (kv_heads == pool_kv_heads) {
-        prefetch_row(block_rows(v_pool, b + 1), block_elements);
-      } else {
-        for (int64_t t = 0; t < block_size; ++t) prefetch_row(block_rows(v_pool, b + 1) + t * token_stride, kv_heads * ROW);
-      }
-    }
+    if (b + 1 < blocks)  // each token's rows of this slice's KV heads (all of the block when it has every head)
+      for (int64_t t = 0; t < block_size; ++t) prefetch_row(block_rows(v_pool, b + 1) + t * token_stride, kv_heads * ROW);
     const int64_t t0 = b * block_size, t1 = std::min(context_len, t0 + block_size);
     for (int64_t kv = 0; kv < kv_heads; ++kv) {
       const cache_t* rows = block_rows(v_pool, b) + kv * ROW;
