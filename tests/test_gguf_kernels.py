@@ -38,8 +38,8 @@ def weight(name: str, rows: int = 37, seed: int = 1):
     return raw, values, packed, kernel_type
 
 
-# 37 rows: the row layout; 40 (a multiple of 8): the interleaved one where a type has it.
-ROW_COUNTS = [37, 40]
+# 37 rows: the row layout; 48 (a multiple of 8 and of 16): the interleaved one where a type has it.
+ROW_COUNTS = [37, 48]
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)
@@ -145,8 +145,8 @@ def test_bad_weights_are_named():
     with pytest.raises(RuntimeError, match="bytes a row"):
         kernels.gguf_linear(torch.randn(1, 512), [packed], [qtype], None, False)
     if kernels.gguf_kernel_isa() == "avx512-vnni":
-        _, _, interleaved, kernel_type = weight("Q4_K", rows=40)
-        with pytest.raises(RuntimeError, match="multiple of 8"):
+        _, _, interleaved, kernel_type = weight("Q4_K", rows=48)
+        with pytest.raises(RuntimeError, match="multiple of 16"):
             kernels.gguf_linear(torch.randn(1, 768), [interleaved[:12]], [kernel_type], None, False)
     with pytest.raises(RuntimeError, match="GGML type 16 has no kernel"):
         kernels.gguf_row_bytes(16, 256)  # IQ2_XXS

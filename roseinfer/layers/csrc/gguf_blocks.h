@@ -88,8 +88,8 @@ struct Activations {
   const float* s;         // per 32 values (Q8_0-like): d * sum of the block's codes
   const int32_t* sums32;  // per 32 values (Q8_0-like): sum of the block's codes
   const int16_t* sums;    // per 16 values, natural order (Q8_K-like)
-  // Per 32 values (Q8_K-like), each sum followed by a 0: four of them are the 64 bits a VPDPWSSD
-  // broadcasts against two runs' minimums (see KQuantX8); the same stride as `sums`.
+  // Per 32 values (Q8_K-like), 8 a scale unit: the sums of the runs' codes, two of them what the
+  // 16-row K-quant kernel broadcasts against a pair of runs' minimums (see KQuantX16).
   const int16_t* run_sums;
   int64_t q_stride, d_stride, sums_stride;
 };

@@ -64,6 +64,7 @@ template <typename R>
 struct GroupX8 {
   using Row = R;
   static constexpr int kType = Row::kType + kInterleaved;
+  static constexpr int kRowsTogether = kRows, kGroups = 1;
   static constexpr int kValues = Row::kValues;
   static constexpr int kBytes = kRows * Row::kBytes;
   static constexpr bool kSuperAct = false;
@@ -97,9 +98,11 @@ struct GroupX8 {
   }
 
 #if ROSEINFER_GGUF_VNNI
-  // out[t][r] = row r . x[m0 + t], for T rows of x and the 8 rows of `rows`.
-  template <int T>
-  static void dot8(const uint8_t* rows, int64_t units, const Activations& a, int64_t m0, float out[][kRows]) {
+  // out[t][r] = row r . x[m0 + t], for T rows of x and the 8 rows of `rows` (one group a call).
+  template <int G, int T>
+  static void dot_groups(const uint8_t* rows, int64_t, int64_t units, const Activations& a, int64_t m0,
+                         float out[][kRows]) {
+    static_assert(G == 1, "one group of 8 rows a call");
     const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
     __m512 acc[T];
     for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
@@ -139,138 +142,157 @@ using Q4_0x8 = GroupX8<Q4_0>;
 using Q8_0x8 = GroupX8<Q8_0>;
 
 // ------------------------------------------------------------------------------------------------
-// Q4_K and Q5_K: per super-block, the 8 rows' d and dmin (float16), the scales and minimums decoded
-// to bytes in pairs of runs ([pair p][row][runs 2p, 2p + 1], 8 runs of 32), then the codes in chunks
-// of 8 bytes: chunk (j, c) of rows 0..7 holds bytes 32 j + 8 c .. of each row's qs (low nibbles:
-// values 64 j + 8 c.., high: 64 j + 32 + 8 c..); Q5_K then its fifth bits, chunk c holding bytes
-// 8 c .. of each row's qh (bit r: value 32 r + 8 c ..). 4 bytes a row more than the file (the
-// scales stored decoded). A pair of runs' bytes zero-extended to words is one dword a row: the
-// scales of the two runs that one chunk's low and high nibbles belong to, and the two minimums that
-// lanes 2r and 2r + 1 take (see dot8).
+// Q4_K and Q5_K: 16 rows side by side, 4 bytes of each in a 64-byte chunk, so that a VPDPBUSD lane
+// is one row and the 4 activation bytes it multiplies are one broadcast, which serves two such
+// groups of rows (a kernel call takes 32 rows). A super-block: the 16 rows' d, then dmin (float16),
+// the scales decoded to bytes ([run][row], 8 runs of 32), the minimums decoded to bytes in pairs
+// of runs ([pair][row][run 2 pair, 2 pair + 1]), then the codes: chunk (j, c), j < 4, c < 8, holds
+// bytes 32 j + 4 c .. + 3 of each row's qs (low nibbles: values 64 j + 4 c.., run 2j; high: 64 j +
+// 32 + 4 c.., run 2j + 1); Q5_K then its fifth bits, chunk c holding bytes 4 c .. + 3 of each row's
+// qh (bit r: value 32 r + 4 c ..). 4 bytes a row more than the file (the scales stored decoded).
+//
+// Zen 4 starts two 512-bit operations a cycle, one of them a VPDPBUSD at most: the instructions
+// around the VPDPBUSDs set the speed, so the kernel keeps them few: per run and row of x, 8
+// VPDPBUSD, 4 broadcasts (half of 8: each serves both groups) and the run's scale applied in
+// integers (VPMULLD, VPADDD); the minimums once a super-block, two runs a VPDPWSSD.
 // ------------------------------------------------------------------------------------------------
 
 template <typename R, bool HighBit>
-struct KQuantX8 {
+struct KQuantX16 {
   using Row = R;
   static constexpr int kType = Row::kType + kInterleaved;
+  static constexpr int kRowsTogether = 16, kGroups = 2;
   static constexpr int kValues = 256;
-  static constexpr int kScales = 32, kMins = kScales + 64, kCodes = kMins + 64, kHigh = kCodes + 16 * 64;
-  static constexpr int kBytes = kHigh + (HighBit ? 4 * 64 : 0);  // 1184 (Q4_K), 1440 (Q5_K)
+  static constexpr int kScales = 64, kMins = kScales + 128, kCodes = kMins + 128, kHigh = kCodes + 32 * 64;
+  static constexpr int kBytes = kHigh + (HighBit ? 8 * 64 : 0);  // 2368 (Q4_K), 2880 (Q5_K)
   static constexpr int kRowQs = HighBit ? 48 : 16;               // where a row unit's qs start
   static constexpr bool kSuperAct = true;
 
   static int native(int p) { return p; }
 
-  // Where run `run`'s byte of row r sits in the scales or minimums.
-  static constexpr int paired(int run, int r) { return (run / 2) * 2 * kRows + 2 * r + run % 2; }
+  // Where run `run`'s minimum of row r sits.
+  static constexpr int min_place(int run, int r) { return kMins + (run / 2) * 2 * kRowsTogether + 2 * r + run % 2; }
 
-  static void interleave(const uint8_t* const rows[kRows], uint8_t* unit) {
-    for (int r = 0; r < kRows; ++r) {
+  static void interleave(const uint8_t* const rows[kRowsTogether], uint8_t* unit) {
+    for (int r = 0; r < kRowsTogether; ++r) {
       std::memcpy(unit + 2 * r, rows[r], 2);
-      std::memcpy(unit + 16 + 2 * r, rows[r] + 2, 2);
+      std::memcpy(unit + 32 + 2 * r, rows[r] + 2, 2);
       uint8_t sc[8], mn[8];
       k_scale_min(rows[r] + 4, sc, mn);
-      for (int s = 0; s < 8; ++s) {
-        unit[kScales + paired(s, r)] = sc[s];
-        unit[kMins + paired(s, r)] = mn[s];
+      for (int run = 0; run < 8; ++run) {
+        unit[kScales + run * kRowsTogether + r] = sc[run];
+        unit[min_place(run, r)] = mn[run];
       }
-      for (int ch = 0; ch < 16; ++ch) std::memcpy(unit + kCodes + ch * 64 + r * 8, rows[r] + kRowQs + ch * 8, 8);
+      for (int ch = 0; ch < 32; ++ch) std::memcpy(unit + kCodes + ch * 64 + r * 4, rows[r] + kRowQs + ch * 4, 4);
       if constexpr (HighBit)
-        for (int ch = 0; ch < 4; ++ch) std::memcpy(unit + kHigh + ch * 64 + r * 8, rows[r] + 16 + ch * 8, 8);
+        for (int ch = 0; ch < 8; ++ch) std::memcpy(unit + kHigh + ch * 64 + r * 4, rows[r] + 16 + ch * 4, 4);
     }
   }
   static void gather(const uint8_t* unit, int r, uint8_t* row) {
     std::memcpy(row, unit + 2 * r, 2);
-    std::memcpy(row + 2, unit + 16 + 2 * r, 2);
+    std::memcpy(row + 2, unit + 32 + 2 * r, 2);
     uint8_t* packed = row + 4;  // the 12 bytes of 6-bit scales and minimums, as k_scale_min reads them
     for (int j = 0; j < 4; ++j) {
-      const uint8_t sc0 = unit[kScales + paired(j, r)], sc1 = unit[kScales + paired(j + 4, r)];
-      const uint8_t mn0 = unit[kMins + paired(j, r)], mn1 = unit[kMins + paired(j + 4, r)];
+      const uint8_t sc0 = unit[kScales + j * kRowsTogether + r], sc1 = unit[kScales + (j + 4) * kRowsTogether + r];
+      const uint8_t mn0 = unit[min_place(j, r)], mn1 = unit[min_place(j + 4, r)];
       packed[j] = static_cast<uint8_t>((sc0 & 63) | ((sc1 >> 4) << 6));
       packed[j + 4] = static_cast<uint8_t>((mn0 & 63) | ((mn1 >> 4) << 6));
       packed[j + 8] = static_cast<uint8_t>((sc1 & 0x0F) | ((mn1 & 0x0F) << 4));
     }
-    for (int ch = 0; ch < 16; ++ch) std::memcpy(row + kRowQs + ch * 8, unit + kCodes + ch * 64 + r * 8, 8);
+    for (int ch = 0; ch < 32; ++ch) std::memcpy(row + kRowQs + ch * 4, unit + kCodes + ch * 64 + r * 4, 4);
     if constexpr (HighBit)
-      for (int ch = 0; ch < 4; ++ch) std::memcpy(row + 16 + ch * 8, unit + kHigh + ch * 64 + r * 8, 8);
+      for (int ch = 0; ch < 8; ++ch) std::memcpy(row + 16 + ch * 4, unit + kHigh + ch * 64 + r * 4, 4);
   }
 
 #if ROSEINFER_GGUF_VNNI
-  // Pair p of the bytes at `bytes` as words: each row's dword (run 2p, run 2p + 1) in both its lanes.
-  static __m512i pair_both_lanes(const uint8_t* bytes, int p) {
-    const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + p * 2 * kRows)));
-    return _mm512_permutexvar_epi32(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
-                                    _mm512_castsi256_si512(words));
+  static __m512 halves(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
 
-  template <int T>
-  static void dot8(const uint8_t* rows, int64_t units, const Activations& a, int64_t m0, float out[][kRows]) {
+  // out[t][16 g + r] = row r of group g . x[m0 + t], for T rows of x and G groups of 16 rows
+  // (group g at rows + g * group_bytes).
+  template <int G, int T>
+  static void dot_groups(const uint8_t* rows, int64_t group_bytes, int64_t units, const Activations& a, int64_t m0,
+                         float out[][G * kRowsTogether]) {
+    // Independent VPDPBUSD chains: G * T, or each run in two halves where that is fewer than 8
+    // (a VPDPBUSD takes 4 cycles to its result and the core starts one a cycle).
+    constexpr int kHalves = G * T >= 8 ? 1 : 2;
     const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
-    __m512 acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    __m512 acc[G][T];
+    for (int g = 0; g < G; ++g)
+      for (int t = 0; t < T; ++t) acc[g][t] = _mm512_setzero_ps();
     for (int64_t u = 0; u < units; ++u) {
-      const uint8_t* unit = rows + u * kBytes;
-      __m512i sums[T], mins[T];
-      for (int t = 0; t < T; ++t) sums[t] = mins[t] = _mm512_setzero_si512();
-      for (int j = 0; j < 4; ++j) {
-        __m512i low[4], high[4];
-        for (int c = 0; c < 4; ++c) {
-          const __m512i packed = _mm512_loadu_si512(unit + kCodes + (j * 4 + c) * 64);
-          low[c] = _mm512_and_si512(packed, nibble);
-          high[c] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-          if constexpr (HighBit) {  // bit 2j of qh: run 2j (the low nibbles), bit 2j + 1: run 2j + 1
-            const __m512i qh = _mm512_loadu_si512(unit + kHigh + c * 64);
-            low[c] = _mm512_mask_add_epi8(low[c], _mm512_test_epi8_mask(qh, _mm512_set1_epi8(static_cast<char>(1 << (2 * j)))),
-                                          low[c], bit4);
-            high[c] = _mm512_mask_add_epi8(
-                high[c], _mm512_test_epi8_mask(qh, _mm512_set1_epi8(static_cast<char>(1 << (2 * j + 1)))), high[c], bit4);
+      const uint8_t* unit[G];
+      for (int g = 0; g < G; ++g) unit[g] = rows + g * group_bytes + u * kBytes;
+      __m512i sums[G][T];  // the unit's sum over runs of scale * (codes . x codes)
+      for (int g = 0; g < G; ++g)
+        for (int t = 0; t < T; ++t) sums[g][t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int run = 0; run < 8; ++run) {
+        __m512i p[kHalves][G][T];
+        for (int h = 0; h < kHalves; ++h)
+          for (int g = 0; g < G; ++g)
+            for (int t = 0; t < T; ++t) p[h][g][t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) {
+          __m512i codes[G];  // values 32 run + 4 c .. + 3 of the group's 16 rows
+          for (int g = 0; g < G; ++g) {
+            const __m512i packed = _mm512_loadu_si512(unit[g] + kCodes + ((run / 2) * 8 + c) * 64);
+            codes[g] = _mm512_and_si512(run % 2 ? _mm512_srli_epi16(packed, 4) : packed, nibble);
+            if constexpr (HighBit) {
+              const __m512i qh = _mm512_loadu_si512(unit[g] + kHigh + c * 64);
+              codes[g] = _mm512_mask_add_epi8(
+                  codes[g], _mm512_test_epi8_mask(qh, _mm512_set1_epi8(static_cast<char>(1 << run))), codes[g], bit4);
+            }
+          }
+          for (int t = 0; t < T; ++t) {
+            int32_t four;
+            std::memcpy(&four, a.q + (m0 + t) * a.q_stride + u * 256 + run * 32 + 4 * c, 4);
+            const __m512i x = _mm512_set1_epi32(four);
+            for (int g = 0; g < G; ++g) p[c * kHalves / 8][g][t] = _mm512_dpbusd_epi32(p[c * kHalves / 8][g][t], codes[g], x);
           }
         }
-        const __m512i scales = pair_both_lanes(unit + kScales, j);  // words (run 2j, run 2j + 1)
-        for (int t = 0; t < T; ++t) {
-          const int8_t* xq = a.q + (m0 + t) * a.q_stride + u * 256 + j * 64;
-          __m512i pl = _mm512_setzero_si512(), ph = _mm512_setzero_si512();
-          for (int c = 0; c < 4; ++c) {
-            pl = _mm512_dpbusd_epi32(pl, low[c], broadcast8(xq + 8 * c));
-            ph = _mm512_dpbusd_epi32(ph, high[c], broadcast8(xq + 32 + 8 * c));
-          }
-          if constexpr (HighBit) {  // 5-bit codes: a lane's 16 products can pass a word
-            const __m512i sc_low = _mm512_and_si512(scales, _mm512_set1_epi32(0xFFFF));
-            const __m512i sc_high = _mm512_srli_epi32(scales, 16);
-            sums[t] = _mm512_add_epi32(sums[t], _mm512_add_epi32(_mm512_mullo_epi32(pl, sc_low), _mm512_mullo_epi32(ph, sc_high)));
-          } else {
-            // A lane's 16 products of 4-bit codes and int8 activations fit a word (|sum| <= 16 * 15
-            // * 127): both runs' sums as one dword of words, one VPDPWSSD applies both scales.
-            const __m512i both = _mm512_mask_blend_epi16(0xAAAAAAAA, pl, _mm512_slli_epi32(ph, 16));
-            sums[t] = _mm512_dpwssd_epi32(sums[t], both, scales);
+        for (int g = 0; g < G; ++g) {
+          const __m512i scale = _mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit[g] + kScales + run * kRowsTogether)));
+          for (int t = 0; t < T; ++t) {
+            __m512i sum = p[0][g][t];
+            if constexpr (kHalves == 2) sum = _mm512_add_epi32(sum, p[1][g][t]);
+            // |sum| <= 32 * 31 * 127 and the scale < 64: 8 runs stay far inside 31 bits.
+            sums[g][t] = _mm512_add_epi32(sums[g][t], _mm512_mullo_epi32(sum, scale));
           }
         }
       }
-      // Minimums: dmin * sum over runs of minimum * (run's activation code sum). A pair of runs'
-      // minimums zero-extended to dwords (lane 2r: run 2p, lane 2r + 1: run 2p + 1, each as the
-      // words (minimum, 0)) against the runs' sums as (sum, 0) words: one VPDPWSSD per pair.
-      for (int p = 0; p < 4; ++p) {
-        const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + kMins + p * 2 * kRows)));
-        for (int t = 0; t < T; ++t) {
-          int64_t pair;
-          std::memcpy(&pair, a.run_sums + (m0 + t) * a.sums_stride + u * 16 + 4 * p, 8);
-          mins[t] = _mm512_dpwssd_epi32(mins[t], mn, _mm512_set1_epi64(pair));
+      // Minimums: a pair of runs' minimums as words (each lane: one row's two), against the two
+      // runs' activation code sums: one VPDPWSSD per pair.
+      for (int g = 0; g < G; ++g) {
+        const __m512 d = halves(unit[g]), dmin = halves(unit[g] + 32);
+        __m512i mins[T];
+        for (int t = 0; t < T; ++t) mins[t] = _mm512_setzero_si512();
+        for (int pair = 0; pair < 4; ++pair) {
+          const __m512i mn = _mm512_cvtepu8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit[g] + kMins + pair * 2 * kRowsTogether)));
+          for (int t = 0; t < T; ++t) {
+            int32_t two;
+            std::memcpy(&two, a.run_sums + ((m0 + t) * a.d_stride + u) * 8 + 2 * pair, 4);
+            mins[t] = _mm512_dpwssd_epi32(mins[t], mn, _mm512_set1_epi32(two));
+          }
         }
-      }
-      const __m512 d = row_pairs(unit), dmin = row_pairs(unit + 16);
-      for (int t = 0; t < T; ++t) {
-        const __m512 dx = _mm512_set1_ps(a.d[(m0 + t) * a.d_stride + u]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), _mm512_mul_ps(d, dx), acc[t]);
-        acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dmin, dx), acc[t]);
+        for (int t = 0; t < T; ++t) {
+          const __m512 dx = _mm512_set1_ps(a.d[(m0 + t) * a.d_stride + u]);
+          acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[g][t]), _mm512_mul_ps(d, dx), acc[g][t]);
+          acc[g][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dmin, dx), acc[g][t]);
+        }
       }
     }
-    for (int t = 0; t < T; ++t) store_rows(acc[t], out[t]);
+    for (int g = 0; g < G; ++g)
+      for (int t = 0; t < T; ++t) _mm512_storeu_ps(out[t] + g * kRowsTogether, acc[g][t]);
   }
 #endif
 };
 
-using Q4_Kx8 = KQuantX8<Q4_K, false>;
-using Q5_Kx8 = KQuantX8<Q5_K, true>;
+using Q4_Kx16 = KQuantX16<Q4_K, false>;
+using Q5_Kx16 = KQuantX16<Q5_K, true>;
 
 // ------------------------------------------------------------------------------------------------
 // IQ4_XS: per super-block, the 8 rows' d (float16), the run scales decoded ([run][row] int8, the
@@ -281,6 +303,7 @@ using Q5_Kx8 = KQuantX8<Q5_K, true>;
 struct IQ4_XSx8 {
   using Row = IQ4_XS;
   static constexpr int kType = Row::kType + kInterleaved;
+  static constexpr int kRowsTogether = kRows, kGroups = 1;
   static constexpr int kValues = 256;
   static constexpr int kScales = 16, kCodes = kScales + 64;
   static constexpr int kBytes = kCodes + 16 * 64;  // 1104: 2 bytes a row more than the file
@@ -309,8 +332,10 @@ struct IQ4_XSx8 {
   }
 
 #if ROSEINFER_GGUF_VNNI
-  template <int T>
-  static void dot8(const uint8_t* rows, int64_t units, const Activations& a, int64_t m0, float out[][kRows]) {
+  template <int G, int T>
+  static void dot_groups(const uint8_t* rows, int64_t, int64_t units, const Activations& a, int64_t m0,
+                         float out[][kRows]) {
+    static_assert(G == 1, "one group of 8 rows a call");
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(
         1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129), static_cast<char>(141), static_cast<char>(153),
@@ -356,6 +381,7 @@ struct IQ4_XSx8 {
 struct Q6_Kx8 {
   using Row = Q6_K;
   static constexpr int kType = Row::kType + kInterleaved;
+  static constexpr int kRowsTogether = kRows, kGroups = 1;
   static constexpr int kValues = 256;
   static constexpr int kScales = 16, kLow = kScales + 128, kHigh = kLow + 16 * 64;
   static constexpr int kBytes = kHigh + 8 * 64;  // 1680
@@ -382,8 +408,10 @@ struct Q6_Kx8 {
   }
 
 #if ROSEINFER_GGUF_VNNI
-  template <int T>
-  static void dot8(const uint8_t* rows, int64_t units, const Activations& a, int64_t m0, float out[][kRows]) {
+  template <int G, int T>
+  static void dot_groups(const uint8_t* rows, int64_t, int64_t units, const Activations& a, int64_t m0,
+                         float out[][kRows]) {
+    static_assert(G == 1, "one group of 8 rows a call");
     const __m512i nibble = _mm512_set1_epi8(0x0F), bits = _mm512_set1_epi8(0x30);
     // Word w of a VPMADDUBSW result covers bytes 2w, 2w + 1: row w / 4. pick[i]: word w takes word
     // 4 (w / 4) + i of a quad (its row's scale of run 4q + i).
@@ -457,8 +485,8 @@ bool with_interleaved_traits(int type, F&& f) {
   switch (type) {
     case Q4_0x8::kType: f(Q4_0x8{}); return true;
     case Q8_0x8::kType: f(Q8_0x8{}); return true;
-    case Q4_Kx8::kType: f(Q4_Kx8{}); return true;
-    case Q5_Kx8::kType: f(Q5_Kx8{}); return true;
+    case Q4_Kx16::kType: f(Q4_Kx16{}); return true;
+    case Q5_Kx16::kType: f(Q5_Kx16{}); return true;
     case Q6_Kx8::kType: f(Q6_Kx8{}); return true;
     case IQ4_XSx8::kType: f(IQ4_XSx8{}); return true;
     default: return false;

@@ -45,7 +45,8 @@ constexpr int64_t kDotRows = 32;
 // Without panels: weight rows expanded to float32 at once for a matrix product (~2 MiB at K = 2048).
 constexpr int64_t kExpandRows = 256;
 
-// Rows a layout keeps side by side: 8 for the interleaved ones (which name their Row layout), else 1.
+// Rows a layout keeps side by side: the interleaved ones (which name their Row layout) say how
+// many, else 1.
 template <typename Tr, typename = void>
 struct Interleaved : std::false_type {};
 template <typename Tr>
@@ -53,7 +54,21 @@ struct Interleaved<Tr, std::void_t<typename Tr::Row>> : std::true_type {};
 
 template <typename Tr>
 constexpr int64_t rows_together() {
-  return Interleaved<Tr>::value ? kRows : 1;
+  if constexpr (Interleaved<Tr>::value) {
+    return Tr::kRowsTogether;
+  } else {
+    return 1;
+  }
+}
+
+// Groups of rows_together() rows an interleaved kernel call takes.
+template <typename Tr>
+constexpr int64_t groups_at_once() {
+  if constexpr (Interleaved<Tr>::value) {
+    return Tr::kGroups;
+  } else {
+    return 1;
+  }
 }
 
 template <typename Tr>
@@ -88,9 +103,9 @@ const std::array<uint16_t, Tr::kValues>& positions() {
 // Unit u of row n, exact, into out (kValues floats; padding blocks give zeros).
 template <typename Tr>
 inline void dequantize_unit(const uint8_t* w, int64_t n, int64_t u, int64_t units, float* out) {
-  if constexpr (rows_together<Tr>() > 1) {
+  if constexpr (constexpr int64_t R = rows_together<Tr>(); R > 1) {
     uint8_t row[Tr::Row::kBytes];
-    Tr::gather(w + ((n / kRows) * units + u) * Tr::kBytes, static_cast<int>(n % kRows), row);
+    Tr::gather(w + ((n / R) * units + u) * Tr::kBytes, static_cast<int>(n % R), row);
     Tr::Row::dequantize(row, out);
   } else {
     Tr::dequantize(w + (n * units + u) * Tr::kBytes, out);
@@ -146,7 +161,7 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, Activatio
   if constexpr (Tr::kSuperAct) {
     buf.d.assign(M * units, 0.0f);
     buf.sums.assign(M * units * 16, 0);
-    buf.run_sums.assign(M * units * 16, 0);
+    buf.run_sums.assign(M * units * 8, 0);
     at::parallel_for(0, M * units, kQuantizeUnits, [&](int64_t begin, int64_t end) {
       int8_t natural[256];
       for (int64_t i = begin; i < end; ++i) {
@@ -161,8 +176,8 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, Activatio
           q[pos[v]] = natural[v];
           sums[v / 16] = static_cast<int16_t>(sums[v / 16] + natural[v]);
         }
-        int16_t* run_sums = buf.run_sums.data() + i * 16;
-        for (int run = 0; run < 8; ++run) run_sums[2 * run] = static_cast<int16_t>(sums[2 * run] + sums[2 * run + 1]);
+        int16_t* run_sums = buf.run_sums.data() + i * 8;
+        for (int run = 0; run < 8; ++run) run_sums[run] = static_cast<int16_t>(sums[2 * run] + sums[2 * run + 1]);
       }
     });
     return {buf.q.data(), buf.d.data(), nullptr, nullptr, buf.sums.data(), buf.run_sums.data(), padded, units, units * 16};
@@ -245,21 +260,26 @@ void over_rows(int64_t M, int64_t n0, int64_t n1, float* out, int64_t ldo, F&& f
 template <typename Tr>
 void dot_rows(const Activations& a, int64_t M, int64_t units, const uint8_t* w, int64_t n0, int64_t n1, float* out,
               int64_t ldo) {
-  if constexpr (rows_together<Tr>() > 1) {
-    // Groups of 8 weight rows; tiles of 4, 2, 1 rows of x each.
+  if constexpr (constexpr int64_t R = rows_together<Tr>(); R > 1) {
+    // Groups of R weight rows, Tr::kGroups of them a call while as many are left; tiles of 4, 2, 1
+    // rows of x each.
     const int64_t bytes = units * Tr::kBytes;
-    float results[4][kRows];
-    for (int64_t g = n0 / kRows; g < n1 / kRows; ++g) {
+    auto groups = [&](auto count, int64_t g) {
+      constexpr int G = decltype(count)::value;
+      float results[4][G * R];
       auto tile = [&](auto size, int64_t m) {
         constexpr int T = decltype(size)::value;
-        Tr::template dot8<T>(w + g * bytes, units, a, m, results);
-        for (int t = 0; t < T; ++t) std::copy_n(results[t], kRows, out + (m + t) * ldo + g * kRows);
+        Tr::template dot_groups<G, T>(w + g * bytes, bytes, units, a, m, results);
+        for (int t = 0; t < T; ++t) std::copy_n(results[t], G * R, out + (m + t) * ldo + g * R);
       };
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{}, m);
       for (; m + 2 <= M; m += 2) tile(std::integral_constant<int, 2>{}, m);
       for (; m < M; ++m) tile(std::integral_constant<int, 1>{}, m);
-    }
+    };
+    int64_t g = n0 / R;
+    for (; g + Tr::kGroups <= n1 / R; g += Tr::kGroups) groups(std::integral_constant<int, Tr::kGroups>{}, g);
+    for (; g < n1 / R; ++g) groups(std::integral_constant<int, 1>{}, g);
   } else {
     const int64_t bytes = units * Tr::kBytes;
     over_rows(M, n0, n1, out, ldo, [&](auto tile, int64_t m, int64_t n, float* results) {
@@ -272,7 +292,7 @@ template <typename Tr>
 void dot_matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int64_t ldo) {
   thread_local ActivationBuffers buffers;
   const Activations a = quantize_activations<Tr>(x, M, K, buffers);  // read by the pool's threads
-  const int64_t units = units_of<Tr>(K), together = rows_together<Tr>();
+  const int64_t units = units_of<Tr>(K), together = rows_together<Tr>() * groups_at_once<Tr>();
   const int64_t step = std::max<int64_t>(1, grain(N) / together) * together, tasks = (N + step - 1) / step;
   run_tasks(tasks, [&](int64_t t) { dot_rows<Tr>(a, M, units, w, t * step, std::min(N, (t + 1) * step), out, ldo); });
 }
@@ -442,10 +462,12 @@ void dispatch(int64_t type, F&& f) {
               " has no kernel here (see gguf_types())");
 }
 
-// An interleaved layout holds whole groups of 8 rows.
+// An interleaved layout holds whole groups of its rows.
 void check_rows(int64_t type, int64_t N) {
-  TORCH_CHECK(!with_interleaved_traits(static_cast<int>(type), [](auto) {}) || N % kRows == 0,
-              "an interleaved weight (kernel type ", type, ") has a multiple of 8 rows, not ", N);
+  with_interleaved_traits(static_cast<int>(type), [&](auto traits) {
+    constexpr int64_t R = rows_together<decltype(traits)>();
+    TORCH_CHECK(N % R == 0, "an interleaved weight (kernel type ", type, ") has a multiple of ", R, " rows, not ", N);
+  });
 }
 
 void check_weight(const torch::Tensor& w, int64_t bytes_per_row) {
@@ -587,30 +609,30 @@ torch::Tensor unpack_rows(const torch::Tensor& packed, int64_t type, int64_t K) 
 }  // namespace
 
 // The file's rows [N, bytes of a row] of GGML type `type` -> (the kernels' layout, its kernel type
-// id): the row layout, or on VNNI builds, for the hot types and N a multiple of 8, the same rows
-// 8 at a time interleaved.
+// id): the row layout, or on VNNI builds, for the hot types and N a multiple of the layout's rows,
+// the same rows 8 or 16 at a time interleaved.
 std::tuple<torch::Tensor, int64_t> gguf_pack(torch::Tensor raw, int64_t type, int64_t K) {
   torch::Tensor rows = pack_rows(raw, type, K), packed = rows;
   int64_t kernel_type = type;
 #if ROSEINFER_GGUF_VNNI
-  if (rows.size(0) % kRows == 0) {
-    with_interleaved_traits(static_cast<int>(type) + kInterleaved, [&](auto traits) {
-      using Tr = decltype(traits);
-      const int64_t units = units_of<Tr>(K), groups = rows.size(0) / kRows, in_row = rows.size(1);
-      packed = torch::empty({rows.size(0), row_bytes<Tr>(K)}, rows.options());
-      const uint8_t* s = rows.data_ptr<uint8_t>();
-      uint8_t* d = packed.data_ptr<uint8_t>();
-      at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
-        for (int64_t g = g0; g < g1; ++g)
-          for (int64_t u = 0; u < units; ++u) {
-            const uint8_t* unit_rows[kRows];
-            for (int r = 0; r < kRows; ++r) unit_rows[r] = s + (g * kRows + r) * in_row + u * Tr::Row::kBytes;
-            Tr::interleave(unit_rows, d + (g * units + u) * Tr::kBytes);
-          }
-      });
-      kernel_type = Tr::kType;
+  with_interleaved_traits(static_cast<int>(type) + kInterleaved, [&](auto traits) {
+    using Tr = decltype(traits);
+    constexpr int64_t R = rows_together<Tr>();
+    if (rows.size(0) % R != 0) return;
+    const int64_t units = units_of<Tr>(K), groups = rows.size(0) / R, in_row = rows.size(1);
+    packed = torch::empty({rows.size(0), row_bytes<Tr>(K)}, rows.options());
+    const uint8_t* s = rows.data_ptr<uint8_t>();
+    uint8_t* d = packed.data_ptr<uint8_t>();
+    at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g)
+        for (int64_t u = 0; u < units; ++u) {
+          const uint8_t* unit_rows[R];
+          for (int r = 0; r < R; ++r) unit_rows[r] = s + (g * R + r) * in_row + u * Tr::Row::kBytes;
+          Tr::interleave(unit_rows, d + (g * units + u) * Tr::kBytes);
+        }
     });
-  }
+    kernel_type = Tr::kType;
+  });
 #endif
   return {packed, kernel_type};
 }
@@ -622,13 +644,14 @@ torch::Tensor gguf_unpack(torch::Tensor packed, int64_t type, int64_t K) {
         using Tr = decltype(traits);
         check_weight(packed, row_bytes<Tr>(K));
         check_rows(type, packed.size(0));
+        constexpr int64_t R = rows_together<Tr>();
         const int64_t units = units_of<Tr>(K), N = packed.size(0), out_row = units * Tr::Row::kBytes;
         auto rows = torch::empty({N, out_row}, packed.options());
         const uint8_t* s = packed.data_ptr<uint8_t>();
         uint8_t* d = rows.data_ptr<uint8_t>();
         for (int64_t n = 0; n < N; ++n)
           for (int64_t u = 0; u < units; ++u)
-            Tr::gather(s + ((n / kRows) * units + u) * Tr::kBytes, static_cast<int>(n % kRows),
+            Tr::gather(s + ((n / R) * units + u) * Tr::kBytes, static_cast<int>(n % R),
                        d + n * out_row + u * Tr::Row::kBytes);
         raw = unpack_rows(rows, Tr::Row::kType, K);
       })) {
