@@ -127,10 +127,10 @@ def test_large_batches_over_long_rows_sum_the_row_in_slices(name, columns):
 
 
 def test_parts_of_different_types_stack_along_the_outputs_with_a_bias():
-    parts = [weight("Q4_K", rows=16, seed=1), weight("Q6_K", rows=8, seed=2), weight("Q4_K", rows=5, seed=3)]
+    parts = [weight("Q4_K", rows=16, seed=1), weight("Q6_K", rows=16, seed=2), weight("Q4_K", rows=5, seed=3)]
     assert [p[3] for p in parts] == [12 + 256, 14 + 256, 12] or kernels.gguf_kernel_isa() != "avx512-vnni"
     x = torch.randn(3, 768, generator=torch.Generator().manual_seed(4))
-    bias = torch.randn(29)
+    bias = torch.randn(37)
     out = kernels.gguf_linear(x, [p[2] for p in parts], [p[3] for p in parts], bias, True)
     stacked = np.concatenate([p[1] for p in parts]).astype(np.float64)
     assert relative_error(out, x.double().numpy() @ stacked.T + bias.double().numpy()) < 2e-6

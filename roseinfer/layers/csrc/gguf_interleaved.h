@@ -1,18 +1,22 @@
-// Interleaved layouts for the common GGUF types (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS): the same blocks, 8 weight rows side by side, so that
-// one 64-byte load holds 8 bytes of each of 8 rows and one VPDPBUSD multiplies all 8 rows by the
-// same 8 activation bytes (broadcast). Against the row layout (gguf_blocks.h) this shares the
-// activation loads, the unpacking of codes and the float work of scales across 8 rows, and needs
-// no horizontal sum per output. llama.cpp repacks Q4_0 / Q4_K / IQ4_NL the same way on x86
-// ("8x8"); these are AVX-512 kernels of our own over that idea.
+// Interleaved layouts for the common GGUF types (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS): the same
+// blocks, a group of weight rows side by side, so that one VPDPBUSD multiplies every row of the
+// group by the same activation bytes (broadcast). Against the row layout (gguf_blocks.h) this
+// shares the activation loads, the unpacking of codes and the float work of scales across the
+// rows, and needs no horizontal sum per output. llama.cpp repacks Q4_0 / Q4_K / IQ4_NL the same way
+// on x86 ("8x8"); these are AVX-512 kernels of our own over that idea. Two shapes:
+//   - 8 rows, 8 bytes of each in a 64-byte load (Q4_0, Q8_0, IQ4_XS): row r in lanes 2r and 2r + 1
+//     of a result vector, summed at the end;
+//   - 16 rows, 4 bytes of each (Q4_K, Q5_K, Q6_K, the types of Q4_K_M files): one lane a row, and
+//     a kernel call takes two groups so that each broadcast serves 32 rows (see KQuantX16).
 //
-// A unit is 8 rows' unit of the row layout (`Row`); `gather` gives one row's unit back in the row
-// layout, so exact expansion (embedding rows, prefill panels) reuses Row::dequantize. The lanes of
-// a result vector: row r in lanes 2r and 2r + 1 (each of the 8 bytes of a row is 2 dword lanes of
-// VPDPBUSD), summed at the end. Activations are in natural order.
-//
-// A layout's kernel type id is the GGML type id + kInterleaved (see gguf_linear_cpu.cpp).
+// A unit is a group's unit of the row layout (`Row`); `gather` gives one row's unit back in the row
+// layout, so exact expansion (embedding rows, prefill panels) reuses Row::dequantize. Activations
+// are in natural order. A layout's kernel type id is the GGML type id + kInterleaved (see
+// gguf_linear_cpu.cpp), and it says its rows (kRowsTogether) and groups a call (kGroups).
 
 #pragma once
+
+#include <utility>
 
 #include "gguf_blocks.h"
 
@@ -21,23 +25,23 @@ namespace roseinfer::gguf {
 constexpr int kInterleaved = 256;  // kernel type id = GGML type + this
 constexpr int kRows = 8;           // rows side by side
 
+// f(std::integral_constant<int, i>{}) for i = 0 .. N - 1, unrolled: the kernels index registers
+// by these, which only stay registers where the index is a constant (GCC gives up unrolling
+// loops this large on its own).
+template <typename F, int... I>
+__attribute__((always_inline)) inline void static_for_each(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+__attribute__((always_inline)) inline void static_for(F&& f) {
+  static_for_each(f, std::make_integer_sequence<int, N>{});
+}
+
 #if ROSEINFER_GGUF_VNNI
 inline __m512i broadcast8(const int8_t* p) {
   int64_t v;
   std::memcpy(&v, p, 8);
   return _mm512_set1_epi64(v);
-}
-
-// The unit `kPrefetchUnits` ahead requested now, line by line, for Q6_K: its unit's loads jump about
-// inside it (low and high bits chunk by chunk), which the hardware prefetchers follow poorly once
-// the weights come from memory: one row, 2 cores, Zen 4, 8192 x 2048 weights cycled through 300 MB, Q6_K went
-// from 15 to 24-25 GB/s with it; Q4_K, Q5_K and Q8_0, whose loads run in order, lost 10-45%
-// with it, so they go without.
-constexpr int kPrefetchUnits = 2;
-template <int Bytes>
-inline void prefetch_unit(const uint8_t* unit) {
-  for (int offset = 0; offset < Bytes; offset += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(unit + kPrefetchUnits * Bytes + offset), _MM_HINT_T0);
 }
 
 // 8 float16 values (one per row) as 16 lanes, each row's value in its two lanes.
@@ -372,109 +376,144 @@ struct IQ4_XSx8 {
 };
 
 // ------------------------------------------------------------------------------------------------
-// Q6_K: per super-block, the 8 rows' d (float16), the scales (int8, 16 runs of 16) in quads of
-// runs ([quad q][row][runs 4q .. 4q + 3]: as words, one quad is each row's four scales in its two
-// lanes, what a VPDPWSSD against four runs' activation sums takes), then low-nibble chunks (h, c) for h < 2, c < 8: bytes 64 h + 8 c of each row's ql, then
-// high-bit chunks (h, c) for c < 4: bytes 32 h + 8 c of each row's qh. 210 bytes a row, as the file.
+// Q6_K: 16 rows side by side as Q4_K's (see KQuantX16), two groups a kernel call. A super-block:
+// the 16 rows' d (float16), the scales in pairs of runs ([pair][row][runs 2 pair, 2 pair + 1],
+// int8, 16 runs of 16 values), then for each half h < 2 of the values, in the order the kernel
+// first reads them: the low-nibble chunks (h, 0, c), c < 8, the high-bit chunks (h, c), the
+// low-nibble chunks (h, 1, c). Chunk (h, k, c): bytes 64 h + 32 k + 4 c .. + 3 of each row's ql;
+// high-bit chunk (h, c): bytes 32 h + 4 c .. + 3 of each row's qh. Value 128 h + 32 s + l (l < 32)
+// is ql[64 h + 32 (s % 2) + l]'s low (s < 2) or high nibble, with bits 2s, 2s + 1 of qh[32 h + l]
+// above it, under run 8 h + 2 s + l / 16's scale. 210 bytes a row, as the file. (In the file's
+// order, ql then qh, one stream of weights from memory ran at 7.7 GB/s on one core, against 14 for
+// the 8-row layout: the order of first reads is what the prefetchers follow.)
 // ------------------------------------------------------------------------------------------------
 
-struct Q6_Kx8 {
+struct Q6_Kx16 {
   using Row = Q6_K;
   static constexpr int kType = Row::kType + kInterleaved;
-  static constexpr int kRowsTogether = kRows, kGroups = 1;
+  static constexpr int kRowsTogether = 16, kGroups = 2;
   static constexpr int kValues = 256;
-  static constexpr int kScales = 16, kLow = kScales + 128, kHigh = kLow + 16 * 64;
-  static constexpr int kBytes = kHigh + 8 * 64;  // 1680
+  static constexpr int kScales = 32, kCodes = kScales + 256;
+  static constexpr int kBytes = kCodes + 48 * 64;  // 3360
+
+  static constexpr int low_chunk(int h, int k, int c) { return kCodes + (h * 24 + k * 16 + c) * 64; }
+  static constexpr int high_chunk(int h, int c) { return kCodes + (h * 24 + 8 + c) * 64; }
   static constexpr bool kSuperAct = true;
 
   static int native(int p) { return p; }
 
-  // Where run s's scale of row r sits in the scales.
-  static constexpr int quad_place(int s, int r) { return (s / 4) * 4 * kRows + 4 * r + s % 4; }
+  // Where run `run`'s scale of row r sits.
+  static constexpr int scale_place(int run, int r) { return kScales + (run / 2) * 2 * kRowsTogether + 2 * r + run % 2; }
 
-  static void interleave(const uint8_t* const rows[kRows], uint8_t* unit) {
-    for (int r = 0; r < kRows; ++r) {
+  static void interleave(const uint8_t* const rows[kRowsTogether], uint8_t* unit) {
+    for (int r = 0; r < kRowsTogether; ++r) {
       std::memcpy(unit + 2 * r, rows[r] + 208, 2);
-      for (int s = 0; s < 16; ++s) unit[kScales + quad_place(s, r)] = rows[r][192 + s];
-      for (int ch = 0; ch < 16; ++ch) std::memcpy(unit + kLow + ch * 64 + r * 8, rows[r] + ch * 8, 8);
-      for (int ch = 0; ch < 8; ++ch) std::memcpy(unit + kHigh + ch * 64 + r * 8, rows[r] + 128 + ch * 8, 8);
+      for (int run = 0; run < 16; ++run) unit[scale_place(run, r)] = rows[r][192 + run];
+      for (int ch = 0; ch < 32; ++ch) std::memcpy(unit + low_chunk(ch / 16, ch / 8 % 2, ch % 8) + r * 4, rows[r] + ch * 4, 4);
+      for (int ch = 0; ch < 16; ++ch) std::memcpy(unit + high_chunk(ch / 8, ch % 8) + r * 4, rows[r] + 128 + ch * 4, 4);
     }
   }
   static void gather(const uint8_t* unit, int r, uint8_t* row) {
     std::memcpy(row + 208, unit + 2 * r, 2);
-    for (int s = 0; s < 16; ++s) row[192 + s] = unit[kScales + quad_place(s, r)];
-    for (int ch = 0; ch < 16; ++ch) std::memcpy(row + ch * 8, unit + kLow + ch * 64 + r * 8, 8);
-    for (int ch = 0; ch < 8; ++ch) std::memcpy(row + 128 + ch * 8, unit + kHigh + ch * 64 + r * 8, 8);
+    for (int run = 0; run < 16; ++run) row[192 + run] = unit[scale_place(run, r)];
+    for (int ch = 0; ch < 32; ++ch) std::memcpy(row + ch * 4, unit + low_chunk(ch / 16, ch / 8 % 2, ch % 8) + r * 4, 4);
+    for (int ch = 0; ch < 16; ++ch) std::memcpy(row + 128 + ch * 4, unit + high_chunk(ch / 8, ch % 8) + r * 4, 4);
   }
 
 #if ROSEINFER_GGUF_VNNI
+  // out[t][16 g + r] = row r of group g . x[m0 + t], for T rows of x and G groups of 16 rows
+  // (group g at rows + g * group_bytes). Codes carry +32 (0..63, unsigned for VPDPBUSD): 32 *
+  // scale * (the run's activation code sum) comes off once a super-block, two runs a VPDPWSSD.
   template <int G, int T>
-  static void dot_groups(const uint8_t* rows, int64_t, int64_t units, const Activations& a, int64_t m0,
-                         float out[][kRows]) {
-    static_assert(G == 1, "one group of 8 rows a call");
+  static void dot_groups(const uint8_t* rows, int64_t group_bytes, int64_t units, const Activations& a, int64_t m0,
+                         float out[][G * kRowsTogether]) {
+    constexpr int kHalves = G * T >= 8 ? 1 : 2;  // independent VPDPBUSD chains (see KQuantX16)
     const __m512i nibble = _mm512_set1_epi8(0x0F), bits = _mm512_set1_epi8(0x30);
-    // Word w of a VPMADDUBSW result covers bytes 2w, 2w + 1: row w / 4. pick[i]: word w takes word
-    // 4 (w / 4) + i of a quad (its row's scale of run 4q + i).
-    __m512i pick[4];
-    for (int i = 0; i < 4; ++i)
-      pick[i] = _mm512_add_epi16(_mm512_set_epi16(28, 28, 28, 28, 24, 24, 24, 24, 20, 20, 20, 20, 16, 16, 16, 16, 12,
-                                                  12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0),
-                                 _mm512_set1_epi16(static_cast<int16_t>(i)));
-    __m512 acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    __m512 acc[G][T];
+    for (int g = 0; g < G; ++g)
+      for (int t = 0; t < T; ++t) acc[g][t] = _mm512_setzero_ps();
     for (int64_t u = 0; u < units; ++u) {
-      const uint8_t* unit = rows + u * kBytes;
-      prefetch_unit<kBytes>(unit);
-      __m512i sums[T], offsets[T];
-      for (int t = 0; t < T; ++t) sums[t] = offsets[t] = _mm512_setzero_si512();
-      // The scales as words, a quad of runs a vector, and each of the 16 runs' (word w: row w / 4),
-      // built once a unit: each serves two chunks of codes.
-      __m512i quads[4], scales[16];
-      for (int q = 0; q < 4; ++q) {
-        quads[q] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + kScales + q * 32)));
-        for (int i = 0; i < 4; ++i) scales[4 * q + i] = _mm512_permutexvar_epi16(pick[i], quads[q]);
-      }
-      for (int h = 0; h < 2; ++h)
-        for (int c = 0; c < 4; ++c) {
-          const __m512i l0 = _mm512_loadu_si512(unit + kLow + (h * 8 + c) * 64);
-          const __m512i l1 = _mm512_loadu_si512(unit + kLow + (h * 8 + c + 4) * 64);
-          const __m512i q = _mm512_loadu_si512(unit + kHigh + (h * 4 + c) * 64);
-          // Values h*128 + 32 s + 8 c .. for s = 0..3: codes 0..63 (the value + 32). (A ternary
-          // logic op: the low nibble | (the high bits & 0x30).)
-          const __m512i codes[4] = {
-              _mm512_ternarylogic_epi32(_mm512_and_si512(l0, nibble), _mm512_slli_epi16(q, 4), bits, 0xF8),
-              _mm512_ternarylogic_epi32(_mm512_and_si512(l1, nibble), _mm512_slli_epi16(q, 2), bits, 0xF8),
-              _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l0, 4), nibble), q, bits, 0xF8),
-              _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l1, 4), nibble), _mm512_srli_epi16(q, 2),
-                                        bits, 0xF8),
-          };
-          for (int s = 0; s < 4; ++s) {
-            const __m512i sc = scales[h * 8 + s * 2 + c / 2];  // runs of 16 values
-            for (int t = 0; t < T; ++t) {
-              const int8_t* xq = a.q + (m0 + t) * a.q_stride + u * 256 + h * 128 + s * 32 + c * 8;
-              sums[t] = _mm512_dpwssd_epi32(sums[t], _mm512_maddubs_epi16(codes[s], broadcast8(xq)), sc);
+      const uint8_t* unit[G];
+      for (int g = 0; g < G; ++g) unit[g] = rows + g * group_bytes + u * kBytes;
+      __m512i sums[G][T];  // the unit's sum over runs of scale * (codes . x codes)
+      for (int g = 0; g < G; ++g)
+        for (int t = 0; t < T; ++t) sums[g][t] = _mm512_setzero_si512();
+      static_for<8>([&](auto q) __attribute__((always_inline)) {  // values 32 q ..: runs 2 q, 2 q + 1
+        constexpr int quarter = decltype(q)::value, h = quarter / 4, s = quarter % 4;
+        __m512i scale[2][G];  // the runs' scales, dwords (lane r: row r's)
+        for (int g = 0; g < G; ++g) {
+          const __m512i pair = _mm512_cvtepi8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit[g] + kScales + quarter * 2 * kRowsTogether)));
+          scale[0][g] = _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
+          scale[1][g] = _mm512_srai_epi32(pair, 16);
+        }
+        static_for<2>([&](auto r) __attribute__((always_inline)) {  // values 32 quarter + 16 run ..
+          constexpr int run = decltype(r)::value;
+          __m512i p[kHalves][G][T];
+          for (int i = 0; i < kHalves; ++i)
+            for (int g = 0; g < G; ++g)
+              for (int t = 0; t < T; ++t) p[i][g][t] = _mm512_setzero_si512();
+          static_for<4>([&](auto i) __attribute__((always_inline)) {
+            constexpr int c = 4 * run + decltype(i)::value, half = decltype(i)::value * kHalves / 4;
+            __m512i codes[G];  // values 32 quarter + 4 c .. + 3 of the group's 16 rows
+            for (int g = 0; g < G; ++g) {
+              const __m512i low = _mm512_loadu_si512(unit[g] + low_chunk(h, s % 2, c));
+              const __m512i high = _mm512_loadu_si512(unit[g] + high_chunk(h, c));
+              __m512i nib, up;
+              if constexpr (s < 2) {
+                nib = _mm512_and_si512(low, nibble);
+              } else {
+                nib = _mm512_and_si512(_mm512_srli_epi16(low, 4), nibble);
+              }
+              if constexpr (s == 0) {
+                up = _mm512_slli_epi16(high, 4);
+              } else if constexpr (s == 1) {
+                up = _mm512_slli_epi16(high, 2);
+              } else if constexpr (s == 2) {
+                up = high;
+              } else {
+                up = _mm512_srli_epi16(high, 2);
+              }
+              codes[g] = _mm512_ternarylogic_epi32(nib, up, bits, 0xF8);  // nib | (up & 0x30)
             }
+            for (int t = 0; t < T; ++t) {
+              int32_t four;
+              std::memcpy(&four, a.q + (m0 + t) * a.q_stride + u * 256 + quarter * 32 + 4 * c, 4);
+              const __m512i x = _mm512_set1_epi32(four);
+              for (int g = 0; g < G; ++g) p[half][g][t] = _mm512_dpbusd_epi32(p[half][g][t], codes[g], x);
+            }
+          });
+          for (int g = 0; g < G; ++g)
+            for (int t = 0; t < T; ++t) {
+              __m512i sum = p[0][g][t];
+              if constexpr (kHalves == 2) sum = _mm512_add_epi32(sum, p[1][g][t]);
+              // |sum| <= 16 * 63 * 127, |scale| <= 128: 16 runs stay inside 31 bits.
+              sums[g][t] = _mm512_add_epi32(sums[g][t], _mm512_mullo_epi32(sum, scale[run][g]));
+            }
+        });
+      });
+      for (int g = 0; g < G; ++g) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit[g])));
+        __m512i offsets[T];
+        for (int t = 0; t < T; ++t) offsets[t] = _mm512_setzero_si512();
+        for (int pair = 0; pair < 8; ++pair) {
+          const __m512i sc = _mm512_cvtepi8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit[g] + kScales + pair * 2 * kRowsTogether)));
+          for (int t = 0; t < T; ++t) {
+            int32_t two;
+            std::memcpy(&two, a.sums + (m0 + t) * a.sums_stride + u * 16 + 2 * pair, 4);
+            offsets[t] = _mm512_dpwssd_epi32(offsets[t], sc, _mm512_set1_epi32(two));
           }
         }
-      // The codes carry +32: 32 * scale * (run's activation code sum) comes off, per row. A quad's
-      // lanes 2r and 2r + 1 hold row r's scales of runs (4q, 4q + 1) and (4q + 2, 4q + 3): against
-      // the four runs' sums, one VPDPWSSD per quad.
-      for (int t = 0; t < T; ++t) {
-        const int16_t* run_sums = a.sums + (m0 + t) * a.sums_stride + u * 16;
-        for (int q = 0; q < 4; ++q) {
-          int64_t four;
-          std::memcpy(&four, run_sums + 4 * q, 8);
-          offsets[t] = _mm512_dpwssd_epi32(offsets[t], quads[q], _mm512_set1_epi64(four));
+        for (int t = 0; t < T; ++t) {
+          const __m512i total = _mm512_sub_epi32(sums[g][t], _mm512_slli_epi32(offsets[t], 5));
+          acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total),
+                                      _mm512_mul_ps(d, _mm512_set1_ps(a.d[(m0 + t) * a.d_stride + u])), acc[g][t]);
         }
       }
-      const __m512 d = row_pairs(unit);
-      for (int t = 0; t < T; ++t) {
-        const __m512i total = _mm512_sub_epi32(sums[t], _mm512_slli_epi32(offsets[t], 5));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total),
-                                 _mm512_mul_ps(d, _mm512_set1_ps(a.d[(m0 + t) * a.d_stride + u])), acc[t]);
-      }
     }
-    for (int t = 0; t < T; ++t) store_rows(acc[t], out[t]);
+    for (int g = 0; g < G; ++g)
+      for (int t = 0; t < T; ++t) _mm512_storeu_ps(out[t] + g * kRowsTogether, acc[g][t]);
   }
 #endif
 };
@@ -487,7 +526,7 @@ bool with_interleaved_traits(int type, F&& f) {
     case Q8_0x8::kType: f(Q8_0x8{}); return true;
     case Q4_Kx16::kType: f(Q4_Kx16{}); return true;
     case Q5_Kx16::kType: f(Q5_Kx16{}); return true;
-    case Q6_Kx8::kType: f(Q6_Kx8{}); return true;
+    case Q6_Kx16::kType: f(Q6_Kx16{}); return true;
     case IQ4_XSx8::kType: f(IQ4_XSx8{}); return true;
     default: return false;
   }
