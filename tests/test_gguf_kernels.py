@@ -102,11 +102,16 @@ def test_small_batches_multiply_8_bit_activations(name, weight_rows, rows):
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"])
 @pytest.mark.parametrize("weight_rows", ROW_COUNTS)
-def test_large_batches_multiply_bfloat16_inputs_where_the_cpu_has_them(name, weight_rows):
+def test_large_batches_multiply_8_bit_or_bfloat16_inputs(name, weight_rows):
+    """Past DOT_ROWS rows of x the interleaved layouts (VNNI builds) keep their 8-bit products;
+    the row layout expands panels and multiplies bfloat16 inputs where the CPU has them."""
     _, values, packed, qtype = weight(name, weight_rows)
     x = torch.randn(DOT_ROWS + 25, values.shape[1], generator=torch.Generator().manual_seed(3))
     out = kernels.gguf_linear(x, [packed], [qtype], None, False)
-    if cpu_has_bfloat16_dot_products() and "bfloat16" in kernels.panel_linear_dtypes():
+    if qtype >= 256:  # an interleaved layout's kernel type: GGML type + 256
+        xq = quantized_rows(x.numpy(), 256 if name in SUPER_BLOCK_TYPES else 32)
+        reference = xq @ values.astype(np.float64).T
+    elif cpu_has_bfloat16_dot_products() and "bfloat16" in kernels.panel_linear_dtypes():
         as_bf16 = lambda a: torch.from_numpy(np.asarray(a, dtype=np.float32)).to(torch.bfloat16).double().numpy()  # noqa: E731
         reference = as_bf16(x.numpy()) @ as_bf16(values).T
     else:

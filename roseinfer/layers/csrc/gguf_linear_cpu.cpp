@@ -2,20 +2,24 @@
 // gguf_blocks.h, so a new type is a traits struct, not a new kernel.
 //
 // Two shapes of work:
-//   - Few rows (decode): each weight row is read once for a tile of up to 4 rows. With VNNI the
-//     activations are quantized once per call to 8 bits (a scale per 32 or per 256 values, stored
-//     in the weight type's order) and the traits' dot multiplies bytes, as llama.cpp does; without
-//     it, or where exact products are asked for, a weight row is expanded to float in cache and
-//     multiplied by float activations.
-//   - Many rows (prefill, large batches): the weight is expanded a panel of 48 rows at a time (the
-//     exact values, then bfloat16 where the CPU has bfloat16 dot products and exactness is not
-//     asked for) into the panel kernel's layout, and multiplied by every row at the panel kernel's
-//     throughput (panel_linear_cpu.cpp); the weight is never whole in float. Without AVX-512,
-//     blocks of rows are expanded to float32 and multiplied by PyTorch's matrix product.
+//   - 8-bit products: with VNNI the activations are quantized once per call to 8 bits (a scale per
+//     32 or per 256 values, stored in the weight type's order) and the traits' dot multiplies bytes,
+//     as llama.cpp does, each weight row read once for a tile of up to 4 rows of x. This serves
+//     decode batches (up to kDotRows rows) of every type, and batches of any size on the
+//     interleaved layouts, whose products outrun bfloat16 panels. Without VNNI, or where exact
+//     products are asked for, a weight row is expanded to float in cache and multiplied by float
+//     activations.
+//   - Panels (prefill and large batches of the other types): the weight is expanded a panel of 48
+//     rows at a time (the exact values, then bfloat16 where the CPU has bfloat16 dot products and
+//     exactness is not asked for) into the panel kernel's layout, and multiplied by every row at
+//     the panel kernel's throughput (panel_linear_cpu.cpp); the weight is never whole in float.
+//     Without AVX-512, blocks of rows are expanded to float32 and multiplied by PyTorch's matrix
+//     product.
 //
 // Weights are in the kernels' layout (gguf_pack): the file's bytes for 256-value types, groups of 4
-// blocks for the 32-value ones (see gguf_blocks.h), and for the hot types (Q4_0, Q8_0, Q4_K, Q6_K)
-// on VNNI CPUs, 8 rows interleaved (gguf_interleaved.h): a layout has its own kernel type id.
+// blocks for the 32-value ones (see gguf_blocks.h), and for the hot types (Q4_0, Q8_0, Q4_K, Q5_K,
+// Q6_K, IQ4_XS) on VNNI CPUs, 8 or 16 rows interleaved (gguf_interleaved.h): a layout has its own
+// kernel type id.
 
 #include <torch/extension.h>
 
@@ -38,9 +42,8 @@ namespace {
 
 using namespace roseinfer::gguf;
 
-// Rows up to which the dot kernels serve; past it the weight is expanded into panels. On 2 cores
-// (Zen 4), a 2048 x 8192 Q4_K weight: the interleaved dots take 1.2 ms at 8 rows, 2.4 at 16; a
-// panel pass ~5 ms of expansion plus ~35 us a row of bfloat16 products.
+// Rows up to which the dot kernels serve the row layouts; past it their weight is expanded into
+// panels (the interleaved layouts keep the dots at any batch: see dots_at_any_batch).
 constexpr int64_t kDotRows = 32;
 // Without panels: weight rows expanded to float32 at once for a matrix product (~2 MiB at K = 2048).
 constexpr int64_t kExpandRows = 256;
@@ -149,6 +152,11 @@ inline float max_abs(const float* x, int64_t n) {
   return m;
 }
 
+// The sum of 16 int8 values.
+inline int sum16(const int8_t* q) {
+  return _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+}
+
 // Units of activations a parallel task quantizes: a decode row's few stay on the calling thread,
 // a batch's are shared out (done by one thread, the others waited for it: ~4% of a 16-row step).
 constexpr int64_t kQuantizeUnits = 16;
@@ -169,12 +177,17 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, Activatio
         const float* xu = x + m * K + u * 256;
         const float amax = max_abs(xu, 256);
         buf.d[i] = amax / 127.0f;
-        quantize_run(xu, 256, amax > 0.0f ? 127.0f / amax : 0.0f, natural);
         int8_t* q = buf.q.data() + m * padded + u * 256;
         int16_t* sums = buf.sums.data() + i * 16;
-        for (int v = 0; v < 256; ++v) {
-          q[pos[v]] = natural[v];
-          sums[v / 16] = static_cast<int16_t>(sums[v / 16] + natural[v]);
+        if constexpr (Interleaved<Tr>::value) {  // natural order: the codes go straight in place
+          quantize_run(xu, 256, amax > 0.0f ? 127.0f / amax : 0.0f, q);
+          for (int r = 0; r < 16; ++r) sums[r] = static_cast<int16_t>(sum16(q + 16 * r));
+        } else {
+          quantize_run(xu, 256, amax > 0.0f ? 127.0f / amax : 0.0f, natural);
+          for (int v = 0; v < 256; ++v) {
+            q[pos[v]] = natural[v];
+            sums[v / 16] = static_cast<int16_t>(sums[v / 16] + natural[v]);
+          }
         }
         int16_t* run_sums = buf.run_sums.data() + i * 8;
         for (int run = 0; run < 8; ++run) run_sums[run] = static_cast<int16_t>(sums[2 * run] + sums[2 * run + 1]);
@@ -193,13 +206,18 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, Activatio
         const float* xb = x + m * K + b * 32;
         const float amax = max_abs(xb, 32);
         const float d = amax / 127.0f;
-        quantize_run(xb, 32, amax > 0.0f ? 127.0f / amax : 0.0f, natural);
         int8_t* q = buf.q.data() + m * padded + b / kGroupBlocks * Tr::kValues;
         const int first = static_cast<int>(b % kGroupBlocks) * 32;
         int sum = 0;
-        for (int v = 0; v < 32; ++v) {
-          q[pos[first + v]] = natural[v];
-          sum += natural[v];
+        if constexpr (Interleaved<Tr>::value) {  // natural order: the codes go straight in place
+          quantize_run(xb, 32, amax > 0.0f ? 127.0f / amax : 0.0f, q + first);
+          sum = sum16(q + first) + sum16(q + first + 16);
+        } else {
+          quantize_run(xb, 32, amax > 0.0f ? 127.0f / amax : 0.0f, natural);
+          for (int v = 0; v < 32; ++v) {
+            q[pos[first + v]] = natural[v];
+            sum += natural[v];
+          }
         }
         buf.d[m * blocks + b] = d;
         buf.s[m * blocks + b] = d * static_cast<float>(sum);
@@ -436,9 +454,16 @@ void expanded_matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int
   }
 }
 
+// The interleaved layouts' 8-bit products outrun the bfloat16 panels at every batch size (the
+// panels' VDPBF16PS does half a VPDPBUSD's multiply-adds): prefill runs on them too.
+template <typename Tr>
+constexpr bool dots_at_any_batch(bool exact) {
+  return ROSEINFER_GGUF_VNNI && rows_together<Tr>() > 1 && !exact;
+}
+
 template <typename Tr>
 void matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int64_t ldo, bool exact) {
-  if (M > kDotRows) {
+  if (M > kDotRows && !dots_at_any_batch<Tr>(exact)) {
     if (!exact && roseinfer::has_panel_kernel(torch::kBFloat16)) {
       std::vector<c10::BFloat16> xb(M * K);
       for (int64_t i = 0; i < M * K; ++i) roseinfer::store_float(xb.data() + i, x[i]);

@@ -176,7 +176,7 @@ def is_blocks(tensor: object) -> bool:
 @dataclass(frozen=True)
 class PackedBlocks:
     """One weight in the kernels' layout: uint8 [rows, packed bytes of a row], and the id the C++
-    kernels know that layout by (`kernel_type`: the GGML type's, or its 8-row interleaved
+    kernels know that layout by (`kernel_type`: the GGML type's, or its interleaved
     layout's; see csrc/gguf_interleaved.h)."""
 
     qtype: GGMLQuantizationType
