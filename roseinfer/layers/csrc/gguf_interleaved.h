@@ -56,6 +56,28 @@ inline void store_rows(__m512 acc, float* out) {
   const __m512 sum = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0xB1));  // each lane + its pair
   _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_maskz_compress_ps(0x5555, sum)));
 }
+
+// 16 float16 values (one per row of a 16-row group) as floats.
+inline __m512 halves16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// out[t] = the sum over pairs p < Pairs of (each row's two bytes at bytes + 32 p, widened to words,
+// signed or not) . (the two int16 activation sums at sums_of(t) + 2 p): the per-run terms of the
+// 16-row layouts (Q4_K's minimums, Q6_K's +32 offsets), two runs a VPDPWSSD.
+template <bool Signed, int Pairs, int T, typename SumsOf>
+inline void paired_run_terms(const uint8_t* bytes, SumsOf&& sums_of, __m512i out[T]) {
+  for (int t = 0; t < T; ++t) out[t] = _mm512_setzero_si512();
+  for (int p = 0; p < Pairs; ++p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + p * 32));
+    const __m512i words = Signed ? _mm512_cvtepi8_epi16(raw) : _mm512_cvtepu8_epi16(raw);
+    for (int t = 0; t < T; ++t) {
+      int32_t two;
+      std::memcpy(&two, sums_of(t) + 2 * p, 4);
+      out[t] = _mm512_dpwssd_epi32(out[t], words, _mm512_set1_epi32(two));
+    }
+  }
+}
 #endif
 
 // ------------------------------------------------------------------------------------------------
@@ -209,10 +231,6 @@ struct KQuantX16 {
   }
 
 #if ROSEINFER_GGUF_VNNI
-  static __m512 halves(const uint8_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-
   // out[t][16 g + r] = row r of group g . x[m0 + t], for T rows of x and G groups of 16 rows
   // (group g at rows + g * group_bytes).
   template <int G, int T>
@@ -270,18 +288,10 @@ struct KQuantX16 {
       // Minimums: a pair of runs' minimums as words (each lane: one row's two), against the two
       // runs' activation code sums: one VPDPWSSD per pair.
       for (int g = 0; g < G; ++g) {
-        const __m512 d = halves(unit[g]), dmin = halves(unit[g] + 32);
+        const __m512 d = halves16(unit[g]), dmin = halves16(unit[g] + 32);
         __m512i mins[T];
-        for (int t = 0; t < T; ++t) mins[t] = _mm512_setzero_si512();
-        for (int pair = 0; pair < 4; ++pair) {
-          const __m512i mn = _mm512_cvtepu8_epi16(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit[g] + kMins + pair * 2 * kRowsTogether)));
-          for (int t = 0; t < T; ++t) {
-            int32_t two;
-            std::memcpy(&two, a.run_sums + ((m0 + t) * a.d_stride + u) * 8 + 2 * pair, 4);
-            mins[t] = _mm512_dpwssd_epi32(mins[t], mn, _mm512_set1_epi32(two));
-          }
-        }
+        paired_run_terms<false, 4, T>(
+            unit[g] + kMins, [&](int t) { return a.run_sums + ((m0 + t) * a.d_stride + u) * 8; }, mins);
         for (int t = 0; t < T; ++t) {
           const __m512 dx = _mm512_set1_ps(a.d[(m0 + t) * a.d_stride + u]);
           acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[g][t]), _mm512_mul_ps(d, dx), acc[g][t]);
@@ -493,18 +503,10 @@ struct Q6_Kx16 {
         });
       });
       for (int g = 0; g < G; ++g) {
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit[g])));
+        const __m512 d = halves16(unit[g]);
         __m512i offsets[T];
-        for (int t = 0; t < T; ++t) offsets[t] = _mm512_setzero_si512();
-        for (int pair = 0; pair < 8; ++pair) {
-          const __m512i sc = _mm512_cvtepi8_epi16(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit[g] + kScales + pair * 2 * kRowsTogether)));
-          for (int t = 0; t < T; ++t) {
-            int32_t two;
-            std::memcpy(&two, a.sums + (m0 + t) * a.sums_stride + u * 16 + 2 * pair, 4);
-            offsets[t] = _mm512_dpwssd_epi32(offsets[t], sc, _mm512_set1_epi32(two));
-          }
-        }
+        paired_run_terms<true, 8, T>(
+            unit[g] + kScales, [&](int t) { return a.sums + (m0 + t) * a.sums_stride + u * 16; }, offsets);
         for (int t = 0; t < T; ++t) {
           const __m512i total = _mm512_sub_epi32(sums[g][t], _mm512_slli_epi32(offsets[t], 5));
           acc[g][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total),
