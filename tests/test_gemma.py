@@ -465,3 +465,27 @@ def test_gemma_chat_template_renders_as_transformers(smollm_tokenizer, smollm_hf
     ours = Tokenizer(smollm_tokenizer.backend, chat_template=template, eos_token=smollm_tokenizer.eos_token)
     with pytest.raises(ValueError, match="System role not supported"):
         ours.apply_chat_template(conversations[2][0])
+
+
+def test_speculative_decoding_on_gemma_gives_transformers_tokens(models):
+    """N-gram speculation on Gemma 3 (five sliding layers to one global), prompts that repeat
+    themselves past the window of 12 in blocks of 4: drafts are proposed and some accepted,
+    rejected ones are dropped from both KV cache groups, and every greedy token is transformers'
+    (one pool small enough to preempt, so recomputation runs beside speculation too)."""
+    reference = _reference(models["gemma3"])
+    base = _prompts(reference.config.vocab_size)
+    prompts = [base[1] * 4, base[0] * 6 + base[2], base[2]]  # 44, 70 and 40 tokens
+    expected = _greedy_reference(reference, prompts)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    for blocks in (None, 40):
+        sizing = {"num_kv_blocks": blocks} if blocks else {}
+        llm = LLM(str(models["gemma3"]), block_size=4, max_num_batched_tokens=16, max_num_seqs=3,
+                  speculative_config=spec, quantization="none", **sizing)
+        assert _greedy(llm, prompts) == expected, f"num_kv_blocks={blocks}"
+        engine = llm.engine
+        stats = engine.scheduler.stats
+        assert stats.num_draft_tokens > stats.num_accepted_tokens > 0, "drafts were meant to be proposed and some taken"
+        if blocks:
+            assert stats.num_preemptions > 0, "the pool was meant to be too small"
+        assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+        engine.kv_cache.check_invariants()
