@@ -3,7 +3,11 @@
 For each file, each measurement in a process of its own and never beside another:
   * one stream, tg N: `llama-bench -p 0 -n N` against `LLM.generate` of N tokens after a one-token
     prompt (greedy, EOS ignored; timed from the first decoded token, the mean of 5 requests, as
-    `bench single` does and as llama-bench averages its 5 repetitions);
+    `bench single` does and as llama-bench averages its 5 repetitions). With --rounds R the pair
+    is measured R times back to back, llama.cpp first in odd rounds and ours first in even ones,
+    and the ratio printed is the median of the rounds' ratios: one-stream decode is bound by
+    memory bandwidth, which on a shared VM drifts by 10-30% between minutes, so only figures
+    taken side by side compare;
   * prompt processing, pp P: `llama-bench -p P -n 0` against the prefill of a P-token prompt (one
     request, one token out, timed to its first token; the median of --repeats);
   * served, S streams at once: `roseinfer serve` and `llama-server -np S -c S*C` through the same
@@ -59,6 +63,29 @@ def _fresh(code: str) -> Any:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _one_stream_rounds(bench: Path | None, path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """tg: ours and llama-bench's, `args.rounds` adjacent pairs in alternating order (see above)."""
+    model = str(path.resolve())
+    ours_code = ("import json; from roseinfer.bench.single_stream import measure_ours; "
+                 f"print(json.dumps(measure_ours({model!r}, {{}}, {args.tokens}, {args.threads})))")
+    rounds: list[dict[str, float]] = []
+    for index in range(args.rounds):
+        figures: dict[str, float] = {}
+        order = ("llama", "ours") if index % 2 == 0 else ("ours", "llama")
+        for engine in order if bench else ("ours",):
+            figures[engine] = (_llama_bench(bench, path, 0, args.tokens, args.threads) if engine == "llama"
+                               else _fresh(ours_code))
+        rounds.append(figures)
+        print(f"  tg{args.tokens} round {index + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()),
+              flush=True)
+    row: dict[str, Any] = {"tg": statistics.mean(r["ours"] for r in rounds)}
+    if bench:
+        row["llama_tg"] = statistics.mean(r["llama"] for r in rounds)
+        row["tg_ratio"] = statistics.median(r["ours"] / r["llama"] for r in rounds)
+        row["tg_rounds"] = rounds
+    return row
+
+
 def _llama_bench(binary: Path, model: Path, prompt: int, tokens: int, threads: int) -> float:
     result = subprocess.run([str(binary), "-m", str(model), "-p", str(prompt), "-n", str(tokens), "-t", str(threads),
                              "-o", "json"], capture_output=True, text=True, check=True)
@@ -95,13 +122,10 @@ def run_files(args: argparse.Namespace) -> int:
         model = str(path.resolve())
         print(f"{path.name}:", flush=True)
         if bench and "tg" in args.parts:
-            row["llama_tg"] = _llama_bench(bench, path, 0, args.tokens, args.threads)
             row["llama_pp"] = _llama_bench(bench, path, args.prompt_tokens, 0, args.threads)
-            print(f"  llama-bench tg{args.tokens} {row['llama_tg']:.1f}, pp{args.prompt_tokens} {row['llama_pp']:.1f}",
-                  flush=True)
+            print(f"  llama-bench pp{args.prompt_tokens} {row['llama_pp']:.1f}", flush=True)
         if "tg" in args.parts:
-            row["tg"] = _fresh("import json; from roseinfer.bench.single_stream import measure_ours; "
-                               f"print(json.dumps(measure_ours({model!r}, {{}}, {args.tokens}, {args.threads})))")
+            row.update(_one_stream_rounds(bench, path, args))
             prefill = _fresh("import json; from roseinfer.bench.gguf_files import measure_prefill; "
                              f"print(json.dumps(measure_prefill({model!r}, {args.prompt_tokens}, {args.threads}, "
                              f"{args.repeats})))")
@@ -136,13 +160,15 @@ def _print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -
           f"{str(args.streams) + ' served':>22}{'peak RSS MiB':>22}{'ready s':>14}")
     for name, row in results.items():
         ours, theirs = row.get("served", {}), row.get("llama_served", {})
-        tg = f"{row['tg']:.1f} ({_ratio(row['tg'], row.get('llama_tg'))})" if "tg" in row else "-"
+        tg_ratio = f"{row['tg_ratio']:.2f}x" if "tg_ratio" in row else "-"
+        tg = f"{row['tg']:.1f} ({tg_ratio})" if "tg" in row else "-"
         pp = f"{row['pp']:.1f} ({_ratio(row['pp'], row.get('llama_pp'))})" if "pp" in row else "-"
         served = f"{ours.get('output_tok_s', '-')} ({_ratio(ours.get('output_tok_s'), theirs.get('output_tok_s'))})"
         rss = f"{ours.get('peak_rss_mib', '-')} / {theirs.get('peak_rss_mib', '-')}"
         ready = f"{ours.get('ready_s', row.get('load_s', '-'))} / {theirs.get('ready_s', '-')}"
         print(f"{name:<28}{tg:>20}{pp:>20}{served:>22}{rss:>22}{ready:>14}")
-    print("(ours (ours / llama.cpp); RSS and ready time: ours / llama-server's)")
+    print(f"(ours (ours / llama.cpp); tg: the mean over {args.rounds} round(s) (the median of the rounds' ratios); "
+          "RSS and ready time: ours / llama-server's)")
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
@@ -160,6 +186,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--context", type=int, default=1024, help="served: context per stream (default 1024)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeats", type=int, default=2, help="pp: prompts timed (median)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="tg: adjacent pairs of llama-bench and ours, order alternating (default 1)")
     parser.add_argument("--parts", nargs="+", choices=("tg", "served"), default=["tg", "served"],
                         help="tg: one stream and prompt processing (llama-bench and ours); served: both servers")
     parser.add_argument("--json", type=Path, default=None)
