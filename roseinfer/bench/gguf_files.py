@@ -114,6 +114,8 @@ def _served(server_command: list[str], name: str, args: argparse.Namespace) -> d
 
 
 def run_files(args: argparse.Namespace) -> int:
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     results: dict[str, dict[str, Any]] = {}
     bench = args.llama_bin / "llama-bench" if args.llama_bin else None
     server = args.llama_bin / "llama-server" if args.llama_bin else None
