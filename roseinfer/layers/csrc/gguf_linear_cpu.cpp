@@ -181,11 +181,12 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, Activatio
         buf.d[i] = amax / 127.0f;
         int8_t* q = buf.q.data() + m * padded + u * 256;
         int16_t* sums = buf.sums.data() + i * 16;
+        const float scale = amax > 0.0f ? 127.0f / amax : 0.0f;
         if constexpr (Interleaved<Tr>::value) {  // natural order: the codes go straight in place
-          quantize_run(xu, 256, amax > 0.0f ? 127.0f / amax : 0.0f, q);
+          quantize_run(xu, 256, scale, q);
           for (int r = 0; r < 16; ++r) sums[r] = static_cast<int16_t>(sum16(q + 16 * r));
         } else {
-          quantize_run(xu, 256, amax > 0.0f ? 127.0f / amax : 0.0f, natural);
+          quantize_run(xu, 256, scale, natural);
           for (int v = 0; v < 256; ++v) {
             q[pos[v]] = natural[v];
             sums[v / 16] = static_cast<int16_t>(sums[v / 16] + natural[v]);
@@ -211,11 +212,12 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, Activatio
         int8_t* q = buf.q.data() + m * padded + b / kGroupBlocks * Tr::kValues;
         const int first = static_cast<int>(b % kGroupBlocks) * 32;
         int sum = 0;
+        const float scale = amax > 0.0f ? 127.0f / amax : 0.0f;
         if constexpr (Interleaved<Tr>::value) {  // natural order: the codes go straight in place
-          quantize_run(xb, 32, amax > 0.0f ? 127.0f / amax : 0.0f, q + first);
+          quantize_run(xb, 32, scale, q + first);
           sum = sum16(q + first) + sum16(q + first + 16);
         } else {
-          quantize_run(xb, 32, amax > 0.0f ? 127.0f / amax : 0.0f, natural);
+          quantize_run(xb, 32, scale, natural);
           for (int v = 0; v < 32; ++v) {
             q[pos[first + v]] = natural[v];
             sum += natural[v];
@@ -538,10 +540,12 @@ void gguf_matmul_group(const std::vector<GgufProduct>& products, bool exact) {
     std::vector<Task> tasks;
     for (size_t i = 0; i < products.size(); ++i) {
       const GgufProduct& p = products[i];
+      int64_t rows = 0;
       dispatch(p.type, [&](auto traits) {
-        activations[i] = quantize_activations<decltype(traits)>(p.x, p.M, p.K, buffers[i]);
+        using Tr = decltype(traits);
+        activations[i] = quantize_activations<Tr>(p.x, p.M, p.K, buffers[i]);
+        rows = std::max<int64_t>(1, kTaskBytes / row_bytes<Tr>(p.K) / 64) * 64;
       });
-      const int64_t rows = std::max<int64_t>(1, kTaskBytes / gguf_row_bytes(p.type, p.K) / 64) * 64;
       for (int64_t n0 = 0; n0 < p.N; n0 += rows) tasks.push_back({i, n0, std::min(p.N, n0 + rows)});
     }
     run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
