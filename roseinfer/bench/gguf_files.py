@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from roseinfer.bench.compare import _free_port, _roseinfer, _Server
+from roseinfer.bench.single_stream import measure_llama_bench
 
 
 def measure_prefill(model: str, prompt_tokens: int, threads: int, repeats: int) -> dict[str, float]:
@@ -73,7 +74,7 @@ def _one_stream_rounds(bench: Path | None, path: Path, args: argparse.Namespace)
         figures: dict[str, float] = {}
         order = ("llama", "ours") if index % 2 == 0 else ("ours", "llama")
         for engine in order if bench else ("ours",):
-            figures[engine] = (_llama_bench(bench, path, 0, args.tokens, args.threads) if engine == "llama"
+            figures[engine] = (measure_llama_bench(bench, path, args.tokens, args.threads) if engine == "llama"
                                else _fresh(ours_code))
         rounds.append(figures)
         print(f"  tg{args.tokens} round {index + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()),
@@ -84,12 +85,6 @@ def _one_stream_rounds(bench: Path | None, path: Path, args: argparse.Namespace)
         row["tg_ratio"] = statistics.median(r["ours"] / r["llama"] for r in rounds)
         row["tg_rounds"] = rounds
     return row
-
-
-def _llama_bench(binary: Path, model: Path, prompt: int, tokens: int, threads: int) -> float:
-    result = subprocess.run([str(binary), "-m", str(model), "-p", str(prompt), "-n", str(tokens), "-t", str(threads),
-                             "-o", "json"], capture_output=True, text=True, check=True)
-    return float(json.loads(result.stdout)[0]["avg_ts"])
 
 
 def _served(server_command: list[str], name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -124,7 +119,7 @@ def run_files(args: argparse.Namespace) -> int:
         model = str(path.resolve())
         print(f"{path.name}:", flush=True)
         if bench and "tg" in args.parts:
-            row["llama_pp"] = _llama_bench(bench, path, args.prompt_tokens, 0, args.threads)
+            row["llama_pp"] = measure_llama_bench(bench, path, 0, args.threads, prompt=args.prompt_tokens)
             print(f"  llama-bench pp{args.prompt_tokens} {row['llama_pp']:.1f}", flush=True)
         if "tg" in args.parts:
             row.update(_one_stream_rounds(bench, path, args))

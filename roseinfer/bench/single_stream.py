@@ -58,8 +58,9 @@ def measure_ours(model: str | None, settings: dict, tokens: int, threads: int, r
     return sum(rates) / len(rates)
 
 
-def measure_llama_bench(binary: Path, model: Path, tokens: int, threads: int) -> float:
-    result = subprocess.run([str(binary), "-m", str(model), "-p", "0", "-n", str(tokens), "-t", str(threads),
+def measure_llama_bench(binary: Path, model: Path, tokens: int, threads: int, prompt: int = 0) -> float:
+    """llama-bench's avg_ts: tg `tokens` (prompt 0), or pp `prompt` with tokens 0."""
+    result = subprocess.run([str(binary), "-m", str(model), "-p", str(prompt), "-n", str(tokens), "-t", str(threads),
                              "-o", "json"], capture_output=True, text=True, check=True)
     rows = json.loads(result.stdout)
     return float(rows[0]["avg_ts"])
