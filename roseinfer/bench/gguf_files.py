@@ -1,13 +1,17 @@
 """`roseinfer bench gguf`: GGUF files as users bring them, roseinfer against llama.cpp in one run.
 
-For each file, each measurement in a process of its own and never beside another:
-  * one stream, tg N: `llama-bench -p 0 -n N` against `LLM.generate` of N tokens after a one-token
-    prompt (greedy, EOS ignored; timed from the first decoded token, the mean of 5 requests, as
-    `bench single` does and as llama-bench averages its 5 repetitions). With --rounds R the pair
-    is measured R times back to back, llama.cpp first in odd rounds and ours first in even ones,
-    and the ratio printed is the median of the rounds' ratios: one-stream decode is bound by
-    memory bandwidth, which on a shared VM drifts by 10-30% between minutes, so only figures
-    taken side by side compare;
+For each file, each measurement in a process of its own, never running beside another (our tg process
+waits, idle, while llama-bench runs):
+  * one stream, tg N: `llama-bench -p 0 -n N -r K` against N tokens generated after a one-token
+    prompt (greedy, EOS ignored; timed from the first decoded token, the mean of K requests, as
+    `bench single` does and as llama-bench averages its K repetitions; K = --runs-per-round, 5 as
+    llama-bench's default). With --rounds R the pair is measured R times back to back, llama.cpp
+    first in odd rounds and ours first in even ones, and the ratio printed is the median of the
+    rounds' ratios: one-stream decode is bound by memory bandwidth, which on a shared VM drifts by
+    10-30% from one minute to the next, so only figures taken side by side compare, and the closer
+    the better. Ours is measured by one process that loads the file once and answers every round
+    (llama-bench loads it each round: its load is not timed either), so many short rounds
+    (`--rounds 10 --runs-per-round 1`) cost little more than a few long ones;
   * prompt processing, pp P: `llama-bench -p P -n 0` against the prefill of a P-token prompt (one
     request, one token out, timed to its first token; the median of --repeats);
   * served, S streams at once: `roseinfer serve` and `llama-server -np S -c S*C` through the same
@@ -64,21 +68,53 @@ def _fresh(code: str) -> Any:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+class _OursKeptLoaded:
+    """Our one-stream measurements from one process that loads the file once (single_stream.
+    answer_rates), so that a round is only the timed requests and sits close to llama-bench's."""
+
+    def __init__(self, model: str, args: argparse.Namespace) -> None:
+        code = ("from roseinfer.bench.single_stream import answer_rates; "
+                f"answer_rates({model!r}, {args.tokens}, {args.threads}, {args.runs_per_round})")
+        self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True)
+        while self._line("loading").strip() != "ready":
+            pass
+
+    def _line(self, what: str) -> str:
+        line = self.process.stdout.readline()
+        if not line:
+            self.process.wait()
+            raise RuntimeError(f"our measuring process ended while {what} (exit {self.process.returncode}; "
+                               "its stderr is above)")
+        return line
+
+    def rate(self) -> float:
+        self.process.stdin.write("\n")
+        self.process.stdin.flush()
+        return float(self._line("measuring"))
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
 def _one_stream_rounds(bench: Path | None, path: Path, args: argparse.Namespace) -> dict[str, Any]:
     """tg: ours and llama-bench's, `args.rounds` adjacent pairs in alternating order (see above)."""
-    model = str(path.resolve())
-    ours_code = ("import json; from roseinfer.bench.single_stream import measure_ours; "
-                 f"print(json.dumps(measure_ours({model!r}, {{}}, {args.tokens}, {args.threads})))")
+    ours = _OursKeptLoaded(str(path.resolve()), args)
     rounds: list[dict[str, float]] = []
-    for index in range(args.rounds):
-        figures: dict[str, float] = {}
-        order = ("llama", "ours") if index % 2 == 0 else ("ours", "llama")
-        for engine in order if bench else ("ours",):
-            figures[engine] = (measure_llama_bench(bench, path, args.tokens, args.threads) if engine == "llama"
-                               else _fresh(ours_code))
-        rounds.append(figures)
-        print(f"  tg{args.tokens} round {index + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()),
-              flush=True)
+    try:
+        for index in range(args.rounds):
+            figures: dict[str, float] = {}
+            order = ("llama", "ours") if index % 2 == 0 else ("ours", "llama")
+            for engine in order if bench else ("ours",):
+                figures[engine] = (measure_llama_bench(bench, path, args.tokens, args.threads,
+                                                       repetitions=args.runs_per_round)
+                                   if engine == "llama" else ours.rate())
+            rounds.append(figures)
+            print(f"  tg{args.tokens} round {index + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()),
+                  flush=True)
+    finally:
+        ours.close()
     row: dict[str, Any] = {"tg": statistics.mean(r["ours"] for r in rounds)}
     if bench:
         row["llama_tg"] = statistics.mean(r["llama"] for r in rounds)
@@ -109,8 +145,9 @@ def _served(server_command: list[str], name: str, args: argparse.Namespace) -> d
 
 
 def run_files(args: argparse.Namespace) -> int:
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
+    if args.rounds < 1 or args.runs_per_round < 1:
+        raise SystemExit(f"--rounds and --runs-per-round must be at least 1, got {args.rounds} and "
+                         f"{args.runs_per_round}")
     results: dict[str, dict[str, Any]] = {}
     bench = args.llama_bin / "llama-bench" if args.llama_bin else None
     server = args.llama_bin / "llama-server" if args.llama_bin else None
@@ -185,6 +222,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="pp: prompts timed (median)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="tg: adjacent pairs of llama-bench and ours, order alternating (default 1)")
+    parser.add_argument("--runs-per-round", type=int, default=5,
+                        help="tg: runs each engine averages in a round (llama-bench -r; default 5, its own)")
     parser.add_argument("--parts", nargs="+", choices=("tg", "served"), default=["tg", "served"],
                         help="tg: one stream and prompt processing (llama-bench and ours); served: both servers")
     parser.add_argument("--json", type=Path, default=None)

@@ -28,10 +28,8 @@ CONFIGURATIONS = {  # name -> LLM(...) keywords
 }
 
 
-def measure_ours(model: str | None, settings: dict, tokens: int, threads: int, repetitions: int = 5) -> float:
-    """Tokens per second of one stream's decode after a warm-up request: the mean over
-    `repetitions` requests of each one's rate, the statistic llama-bench prints (avg_ts over its
-    default 5 repetitions), so that both figures average the same number of runs."""
+def load_one_stream(model: str | None, settings: dict, threads: int):
+    """An LLM for one-stream decode, warmed up by one request."""
     import torch
 
     torch.set_num_threads(threads)
@@ -40,28 +38,52 @@ def measure_ours(model: str | None, settings: dict, tokens: int, threads: int, r
     llm = LLM(model, kv_cache_memory=0.25, **settings)
     warm = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     llm.generate(prompt_token_ids=[[1]], sampling_params=warm, use_tqdm=False)
+    return llm
+
+
+def one_stream_rate(llm, tokens: int, request_id: str) -> float:
+    """Decode tokens/s of one request of `tokens` tokens after a one-token prompt, timed from its
+    first token (the prompt's: not timed), as llama-bench's tg times only generated tokens."""
+    from roseinfer import SamplingParams
+
     engine = llm.llm_engine
-    rates = []
-    for repetition in range(repetitions):
-        engine.add_request(f"single-{repetition}", [1],
-                           SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True))
-        started = None
-        produced = latest = 0
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                count = len(output.outputs[0].token_ids)
-                if started is None and count:
-                    started, produced = time.perf_counter(), count  # the prompt's token: not timed
-                else:
-                    latest = count
-        rates.append((latest - produced) / (time.perf_counter() - started))
+    engine.add_request(request_id, [1], SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True))
+    started = None
+    produced = latest = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            count = len(output.outputs[0].token_ids)
+            if started is None and count:
+                started, produced = time.perf_counter(), count
+            else:
+                latest = count
+    return (latest - produced) / (time.perf_counter() - started)
+
+
+def measure_ours(model: str | None, settings: dict, tokens: int, threads: int, repetitions: int = 5) -> float:
+    """Tokens per second of one stream's decode after a warm-up request: the mean over
+    `repetitions` requests of each one's rate, the statistic llama-bench prints (avg_ts over its
+    default 5 repetitions), so that both figures average the same number of runs."""
+    llm = load_one_stream(model, settings, threads)
+    rates = [one_stream_rate(llm, tokens, f"single-{repetition}") for repetition in range(repetitions)]
     return sum(rates) / len(rates)
 
 
-def measure_llama_bench(binary: Path, model: Path, tokens: int, threads: int, prompt: int = 0) -> float:
-    """llama-bench's avg_ts: tg `tokens` (prompt 0), or pp `prompt` with tokens 0."""
+def answer_rates(model: str, tokens: int, threads: int, repetitions: int) -> None:
+    """A measuring process kept loaded between rounds: loads the model once, then for each line on
+    stdin prints (one JSON number a line) the mean rate of `repetitions` requests; ends at EOF."""
+    llm = load_one_stream(model, {}, threads)
+    print("ready", flush=True)
+    for index, _ in enumerate(sys.stdin):
+        rates = [one_stream_rate(llm, tokens, f"round-{index}-{r}") for r in range(repetitions)]
+        print(json.dumps(sum(rates) / len(rates)), flush=True)
+
+
+def measure_llama_bench(binary: Path, model: Path, tokens: int, threads: int, prompt: int = 0,
+                        repetitions: int = 5) -> float:
+    """llama-bench's avg_ts over `repetitions` runs: tg `tokens` (prompt 0), or pp `prompt` with tokens 0."""
     result = subprocess.run([str(binary), "-m", str(model), "-p", str(prompt), "-n", str(tokens), "-t", str(threads),
-                             "-o", "json"], capture_output=True, text=True, check=True)
+                             "-r", str(repetitions), "-o", "json"], capture_output=True, text=True, check=True)
     rows = json.loads(result.stdout)
     return float(rows[0]["avg_ts"])
 
