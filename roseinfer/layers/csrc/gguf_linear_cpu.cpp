@@ -167,11 +167,12 @@ template <typename Tr>
 Activations quantize_activations(const float* x, int64_t M, int64_t K, ActivationBuffers& buf) {
   const int64_t units = units_of<Tr>(K), padded = units * Tr::kValues;
   const auto& pos = positions<Tr>();
-  buf.q.assign(M * padded, 0);
   if constexpr (Tr::kSuperAct) {
-    buf.d.assign(M * units, 0.0f);
-    buf.sums.assign(M * units * 16, 0);
-    buf.run_sums.assign(M * units * 8, 0);
+    // Every value is written below: sized, not cleared (clearing them was a memset a product).
+    buf.q.resize(M * padded);
+    buf.d.resize(M * units);
+    buf.sums.resize(M * units * 16);
+    buf.run_sums.resize(M * units * 8);
     at::parallel_for(0, M * units, kQuantizeUnits, [&](int64_t begin, int64_t end) {
       int8_t natural[256];
       for (int64_t i = begin; i < end; ++i) {
@@ -187,6 +188,7 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, Activatio
           for (int r = 0; r < 16; ++r) sums[r] = static_cast<int16_t>(sum16(q + 16 * r));
         } else {
           quantize_run(xu, 256, scale, natural);
+          std::fill_n(sums, 16, int16_t{0});
           for (int v = 0; v < 256; ++v) {
             q[pos[v]] = natural[v];
             sums[v / 16] = static_cast<int16_t>(sums[v / 16] + natural[v]);
@@ -199,6 +201,7 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, Activatio
     return {buf.q.data(), buf.d.data(), nullptr, nullptr, buf.sums.data(), buf.run_sums.data(), padded, units, units * 16};
   } else {
     const int64_t blocks = units * kGroupBlocks, filled = K / 32;  // (the padding's blocks stay 0)
+    buf.q.assign(M * padded, 0);
     buf.d.assign(M * blocks, 0.0f);
     buf.s.assign(M * blocks, 0.0f);
     buf.sums32.assign(M * blocks, 0);

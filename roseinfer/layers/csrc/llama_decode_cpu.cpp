@@ -486,7 +486,14 @@ class LlamaDecoder {
     std::vector<int64_t> first(E + 1, 0);  // expert e's rows: first[e] .. first[e + 1] of the gathered rows
     for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + static_cast<int64_t>(rows_of[e].size());
     const int64_t rows = first[E];
-    std::vector<float> xf(rows * H), gate_up(rows * 2 * I), act_f, y(rows * H);
+    // Scratch kept between layers and steps (each is wholly written before it is read): allocating
+    // and clearing them every layer was ~1% of one-stream OLMoE decode, on the main thread alone.
+    thread_local std::vector<float> xf, gate_up, act_f, y;
+    thread_local std::vector<T> act;
+    xf.resize(rows * H);
+    gate_up.resize(rows * 2 * I);
+    y.resize(rows * H);
+    act.resize(rows * I);
     for (int64_t e = 0; e < E; ++e)
       for (size_t i = 0; i < rows_of[e].size(); ++i)
         for (int64_t h = 0; h < H; ++h)
@@ -499,7 +506,6 @@ class LlamaDecoder {
                                     gate_up.data() + first[e] * 2 * I, 2 * I, products);
     roseinfer::gguf_matmul_group(products, exact);
     // SiLU(gate) * up of the outputs rounded to T, as each expert's layers leave them.
-    std::vector<T> act(rows * I);
     if constexpr (std::is_same_v<T, float>) {
       roseinfer::silu_and_mul_in_parallel(gate_up.data(), act.data(), I, rows);
     } else {
