@@ -129,6 +129,17 @@ def test_the_fused_decode_step_equals_the_op_by_op_forward(kind, tmp_path_factor
     assert worst_kl < 1e-3, (worst, worst_kl)
 
 
+def test_the_fused_decode_step_on_bfloat16_activations_equals_the_op_by_op_forward(tmp_path_factory):
+    """The C++ step's grouped experts with bfloat16 activations (converted to float32 once for all
+    the experts' 8-bit products) against the op-by-op forward, rows sharing experts."""
+    moe = built("olmoe", tmp_path_factory)
+    prompts = [[5, 9, 30, 31, 200], [7] * 20, list(range(40, 77)), [11, 12]]
+    blocks = LLM(str(moe.hf_dir), num_kv_blocks=64, quantization="int8", dtype="bfloat16")
+    assert blocks.engine.runner.fused_decoder is not None
+    worst, worst_kl = decode_logits_both_ways(blocks.engine, prompts, steps=6)
+    assert worst_kl < 1e-3, (worst, worst_kl)
+
+
 def test_shared_expert_from_hf_and_from_q8_0_blocks(tmp_path_factory):
     """Qwen2-MoE (a shared expert behind a sigmoid gate): exact from its HF directory; from a Q8_0
     GGUF every expert runs its own slice of the file's 3-D blocks (no float copy) with logits close

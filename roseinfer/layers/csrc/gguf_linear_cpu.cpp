@@ -543,10 +543,15 @@ void gguf_matmul_group(const std::vector<GgufProduct>& products, bool exact) {
     std::vector<Task> tasks;
     for (size_t i = 0; i < products.size(); ++i) {
       const GgufProduct& p = products[i];
+      // Products of one input and type (a decode row's experts) share its quantized activations.
+      size_t same = i;
+      for (size_t j = 0; j < i && same == i; ++j)
+        if (products[j].x == p.x && products[j].M == p.M && products[j].K == p.K && products[j].type == p.type)
+          same = j;
       int64_t rows = 0;
       dispatch(p.type, [&](auto traits) {
         using Tr = decltype(traits);
-        activations[i] = quantize_activations<Tr>(p.x, p.M, p.K, buffers[i]);
+        activations[i] = same < i ? activations[same] : quantize_activations<Tr>(p.x, p.M, p.K, buffers[i]);
         rows = std::max<int64_t>(1, kTaskBytes / row_bytes<Tr>(p.K) / 64) * 64;
       });
       for (int64_t n0 = 0; n0 < p.N; n0 += rows) tasks.push_back({i, n0, std::min(p.N, n0 + rows)});

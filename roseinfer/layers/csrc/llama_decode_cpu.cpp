@@ -436,7 +436,7 @@ class LlamaDecoder {
     std::fill(out, out + B * H, T(0.0f));
     std::vector<T> rows, gate_up, act, y;
     if (moe.grouped) {
-      experts_grouped(moe, rows_of, x, out);
+      experts_grouped(moe, rows_of, x, B, out);
     } else {
       for (int64_t e = 0; e < E; ++e) {
         const auto& chosen = rows_of[e];
@@ -481,29 +481,46 @@ class LlamaDecoder {
   // rows), each product as the expert's own linear layer computes it.
   template <typename T>
   void experts_grouped(const SparseMlp& moe, const std::vector<std::vector<std::pair<int64_t, T>>>& rows_of,
-                       const T* x, T* out) const {
+                       const T* x, int64_t B, T* out) const {
     const int64_t H = hidden_, E = static_cast<int64_t>(moe.gate_up.size()), I = moe.intermediate;
     std::vector<int64_t> first(E + 1, 0);  // expert e's rows: first[e] .. first[e + 1] of the gathered rows
     for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + static_cast<int64_t>(rows_of[e].size());
     const int64_t rows = first[E];
     // Scratch kept between layers and steps (each is wholly written before it is read): allocating
     // and clearing them every layer was ~1% of one-stream OLMoE decode, on the main thread alone.
-    thread_local std::vector<float> xf, gate_up, act_f, y;
+    thread_local std::vector<float> x_float, xf, gate_up, act_f, y;
     thread_local std::vector<T> act;
     xf.resize(rows * H);
     gate_up.resize(rows * 2 * I);
     y.resize(rows * H);
     act.resize(rows * I);
-    for (int64_t e = 0; e < E; ++e)
-      for (size_t i = 0; i < rows_of[e].size(); ++i)
-        for (int64_t h = 0; h < H; ++h)
-          xf[(first[e] + i) * H + h] = roseinfer::load_float(x + rows_of[e][i].first * H + h);
+    const float* rows_in;  // x as float32
+    if constexpr (std::is_same_v<T, float>) {
+      rows_in = x;
+    } else {
+      x_float.resize(B * H);
+      for (int64_t i = 0; i < B * H; ++i) x_float[i] = roseinfer::load_float(x + i);
+      rows_in = x_float.data();
+    }
+    // An expert chosen by one row reads that row where it is, so that the experts of a decode row
+    // share one input, which gguf_matmul_group quantizes once; several rows are gathered.
+    std::vector<const float*> inputs(E, nullptr);
+    for (int64_t e = 0; e < E; ++e) {
+      const auto& chosen = rows_of[e];
+      if (chosen.size() == 1) {
+        inputs[e] = rows_in + chosen[0].first * H;
+      } else if (chosen.size() > 1) {
+        for (size_t i = 0; i < chosen.size(); ++i)
+          std::copy_n(rows_in + chosen[i].first * H, H, xf.data() + (first[e] + i) * H);
+        inputs[e] = xf.data() + first[e] * H;
+      }
+    }
     const bool exact = moe.gate_up[0].exact;
     std::vector<roseinfer::GgufProduct> products;
     for (int64_t e = 0; e < E; ++e)
       if (first[e + 1] > first[e])
-        moe.gate_up[e].add_products(xf.data() + first[e] * H, first[e + 1] - first[e],
-                                    gate_up.data() + first[e] * 2 * I, 2 * I, products);
+        moe.gate_up[e].add_products(inputs[e], first[e + 1] - first[e], gate_up.data() + first[e] * 2 * I, 2 * I,
+                                    products);
     roseinfer::gguf_matmul_group(products, exact);
     // SiLU(gate) * up of the outputs rounded to T, as each expert's layers leave them.
     if constexpr (std::is_same_v<T, float>) {
