@@ -60,13 +60,17 @@ def one_stream_rate(llm, tokens: int, request_id: str) -> float:
     return (latest - produced) / (time.perf_counter() - started)
 
 
+def mean_rate(llm, tokens: int, repetitions: int, tag: str) -> float:
+    """The mean of `repetitions` requests' one_stream_rate (llama-bench's avg_ts is such a mean)."""
+    rates = [one_stream_rate(llm, tokens, f"{tag}-{repetition}") for repetition in range(repetitions)]
+    return sum(rates) / len(rates)
+
+
 def measure_ours(model: str | None, settings: dict, tokens: int, threads: int, repetitions: int = 5) -> float:
     """Tokens per second of one stream's decode after a warm-up request: the mean over
     `repetitions` requests of each one's rate, the statistic llama-bench prints (avg_ts over its
     default 5 repetitions), so that both figures average the same number of runs."""
-    llm = load_one_stream(model, settings, threads)
-    rates = [one_stream_rate(llm, tokens, f"single-{repetition}") for repetition in range(repetitions)]
-    return sum(rates) / len(rates)
+    return mean_rate(load_one_stream(model, settings, threads), tokens, repetitions, "single")
 
 
 def answer_rates(model: str, tokens: int, threads: int, repetitions: int) -> None:
@@ -75,8 +79,7 @@ def answer_rates(model: str, tokens: int, threads: int, repetitions: int) -> Non
     llm = load_one_stream(model, {}, threads)
     print("ready", flush=True)
     for index, _ in enumerate(sys.stdin):
-        rates = [one_stream_rate(llm, tokens, f"round-{index}-{r}") for r in range(repetitions)]
-        print(json.dumps(sum(rates) / len(rates)), flush=True)
+        print(json.dumps(mean_rate(llm, tokens, repetitions, f"round-{index}")), flush=True)
 
 
 def measure_llama_bench(binary: Path, model: Path, tokens: int, threads: int, prompt: int = 0,
