@@ -486,8 +486,9 @@ class LlamaDecoder {
     std::vector<int64_t> first(E + 1, 0);  // expert e's rows: first[e] .. first[e + 1] of the gathered rows
     for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + static_cast<int64_t>(rows_of[e].size());
     const int64_t rows = first[E];
-    // Scratch kept between layers and steps (each is wholly written before it is read): allocating
-    // and clearing them every layer was ~1% of one-stream OLMoE decode, on the main thread alone.
+    // Scratch kept between layers and steps, never cleared: what is read of each is written first
+    // (xf only for experts with several rows). Allocating and clearing them every layer was ~1% of
+    // one-stream OLMoE decode, on the main thread alone.
     thread_local std::vector<float> x_float, xf, gate_up, act_f, y;
     thread_local std::vector<T> act;
     xf.resize(rows * H);
