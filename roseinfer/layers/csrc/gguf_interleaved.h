@@ -62,6 +62,19 @@ inline __m512 halves16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// p[g][t] += codes[g] . (row m0 + t's 4 activation codes at `value`, broadcast to every lane), for
+// each row of x and group: the step of the 16-row kernels (one broadcast serves the G groups).
+template <int G, int T>
+__attribute__((always_inline)) inline void broadcast_products(const __m512i (&codes)[G], const Activations& a,
+                                                              int64_t m0, int64_t value, __m512i (&p)[G][T]) {
+  for (int t = 0; t < T; ++t) {
+    int32_t four;
+    std::memcpy(&four, a.q + (m0 + t) * a.q_stride + value, 4);
+    const __m512i x = _mm512_set1_epi32(four);
+    for (int g = 0; g < G; ++g) p[g][t] = _mm512_dpbusd_epi32(p[g][t], codes[g], x);
+  }
+}
+
 // out[t] = the sum over pairs p < Pairs of (each row's two bytes at bytes + 32 p, widened to words,
 // signed or not) . (the two int16 activation sums at sums_of(t) + 2 p): the per-run terms of the
 // 16-row layouts (Q4_K's minimums, Q6_K's +32 offsets), two runs a VPDPWSSD.
@@ -152,16 +165,6 @@ struct GroupX16 {
             if constexpr (kHalves == 2) p[1][g][t] = _mm512_setzero_si512();
           }
         }
-        const int8_t* xq[T];
-        for (int t = 0; t < T; ++t) xq[t] = a.q + (m0 + t) * a.q_stride + block * 32;
-        auto products = [&](const __m512i (&codes)[G], int value, int half) __attribute__((always_inline)) {
-          for (int t = 0; t < T; ++t) {
-            int32_t four;
-            std::memcpy(&four, xq[t] + value, 4);
-            const __m512i x = _mm512_set1_epi32(four);
-            for (int g = 0; g < G; ++g) p[half][g][t] = _mm512_dpbusd_epi32(p[half][g][t], codes[g], x);
-          }
-        };
 #pragma GCC unroll 8
         for (int c = 0; c < kChunks; ++c) {
           __m512i low[G], high[G];
@@ -175,10 +178,10 @@ struct GroupX16 {
             }
           }
           if constexpr (kInt8) {
-            products(low, 4 * c, (c % 2) * (kHalves - 1));
+            broadcast_products<G, T>(low, a, m0, block * 32 + 4 * c, p[(c % 2) * (kHalves - 1)]);
           } else {
-            products(low, 4 * c, 0);
-            products(high, 16 + 4 * c, kHalves - 1);
+            broadcast_products<G, T>(low, a, m0, block * 32 + 4 * c, p[0]);
+            broadcast_products<G, T>(high, a, m0, block * 32 + 16 + 4 * c, p[kHalves - 1]);
           }
         }
         for (int g = 0; g < G; ++g) {
@@ -301,12 +304,7 @@ struct KQuantX16 {
                   codes[g], _mm512_test_epi8_mask(qh, _mm512_set1_epi8(static_cast<char>(1 << run))), codes[g], bit4);
             }
           }
-          for (int t = 0; t < T; ++t) {
-            int32_t four;
-            std::memcpy(&four, a.q + (m0 + t) * a.q_stride + u * 256 + run * 32 + 4 * c, 4);
-            const __m512i x = _mm512_set1_epi32(four);
-            for (int g = 0; g < G; ++g) p[c * kHalves / 8][g][t] = _mm512_dpbusd_epi32(p[c * kHalves / 8][g][t], codes[g], x);
-          }
+          broadcast_products<G, T>(codes, a, m0, u * 256 + run * 32 + 4 * c, p[c * kHalves / 8]);
         }
         for (int g = 0; g < G; ++g) {
           const __m512i scale = _mm512_cvtepu8_epi32(
@@ -520,12 +518,7 @@ struct Q6_Kx16 {
               }
               codes[g] = _mm512_ternarylogic_epi32(nib, up, bits, 0xF8);  // nib | (up & 0x30)
             }
-            for (int t = 0; t < T; ++t) {
-              int32_t four;
-              std::memcpy(&four, a.q + (m0 + t) * a.q_stride + u * 256 + quarter * 32 + 4 * c, 4);
-              const __m512i x = _mm512_set1_epi32(four);
-              for (int g = 0; g < G; ++g) p[half][g][t] = _mm512_dpbusd_epi32(p[half][g][t], codes[g], x);
-            }
+            broadcast_products<G, T>(codes, a, m0, u * 256 + quarter * 32 + 4 * c, p[half]);
           });
           for (int g = 0; g < G; ++g)
             for (int t = 0; t < T; ++t) {
