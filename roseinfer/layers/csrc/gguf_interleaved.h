@@ -101,7 +101,7 @@ inline void paired_run_terms(const uint8_t* bytes, SumsOf&& sums_of, __m512i out
 // nibbles 16 + 4 c ..; Q8_0: 8 chunks, values 4 c ..). The bytes of the file, reordered.
 // Against 8 rows of 8 bytes in a load (a lane pair a row), the float work of a block (offset,
 // convert, scale) is shared by twice the products: in cache, 16 rows of x, one thread, Q4_0 went
-// from 2.2-2.4 to 1.5-1.6 ns per 256 values (Q8_0 2.0-2.5 to 1.5-1.6; Q4_K's kernel: 1.6-1.7).
+// from 2.0-2.4 to 1.5-1.6 ns per 256 values (Q8_0 2.0-2.5 to 1.5-1.6; Q4_K's kernel: 1.6-1.9).
 // ------------------------------------------------------------------------------------------------
 
 template <typename R>
