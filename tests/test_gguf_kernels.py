@@ -4,8 +4,11 @@ they run, against `gguf`'s own numpy dequantization:
 - repacking is lossless, and the values the kernels expand are exactly gguf's, bit for bit;
 - exact linear layers equal the product of those values (float64 reference);
 - the fast path equals the same product with the activations rounded as it documents: 8 bits per
-  32 or 256 values for small batches (VNNI builds), bfloat16 inputs for large ones (AVX512-BF16).
+  32 or 256 values for small batches (VNNI builds), bfloat16 inputs for large ones (AVX512-BF16);
+- weights packed to be kept (`lasting`) are the same bytes, in memory advised for 2 MiB pages.
 """
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -141,6 +144,37 @@ def test_parts_of_different_types_stack_along_the_outputs_with_a_bias():
     assert relative_error(out, x.double().numpy() @ stacked.T + bias.double().numpy()) < 2e-6
     x16 = x.to(torch.bfloat16)
     assert kernels.gguf_linear(x16, [p[2] for p in parts], [p[3] for p in parts], bias, True).dtype == torch.bfloat16
+
+
+def mapping_flags(address: int) -> set[str]:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first, _, rest = line.partition(" ")
+        if "-" in first and ":" not in first:  # a mapping's header: start-end perms ...
+            start, end = (int(part, 16) for part in first.split("-"))
+            inside = start <= address < end
+        elif inside and first == "VmFlags:":
+            return set(rest.split())
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+                    reason="no transparent huge pages in this kernel")
+@pytest.mark.parametrize("name, rows", [("Q4_K", 48), ("Q4_K", 37), ("Q4_1", 37), ("Q6_K", 48)])
+def test_weights_kept_for_the_model_are_the_same_bytes_in_huge_page_memory(name, rows):
+    raw, values, temporary, kernel_type = weight(name, rows)
+    kept, kept_type = kernels.gguf_pack(torch.from_numpy(raw), int(GGMLQuantizationType[name]), values.shape[1],
+                                        lasting=True)
+    assert kept_type == kernel_type and torch.equal(kept, temporary)
+    if kept.data_ptr() != raw.ctypes.data:  # a copy (a 256-value type's row layout is the file's bytes)
+        assert "hg" in mapping_flags(kept.data_ptr()), "a lasting weight is not in memory advised huge"
+    del temporary, raw
+    out = kernels.gguf_linear(torch.ones(1, values.shape[1]), [kept], [kept_type], None, True)
+    assert relative_error(out, values.sum(axis=1, dtype=np.float64)[None]) < 2e-6
+    if "float32" in kernels.panel_linear_dtypes():
+        panels = kernels.pack_panels(torch.from_numpy(values))
+        assert "hg" in mapping_flags(panels.data_ptr())
 
 
 def test_bad_weights_are_named():

@@ -39,7 +39,7 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in ("bindings.cpp", "paged_attention_cpu.cpp", "kv_write_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp",
                  "activation_cpu.cpp", "argmax_cpu.cpp", "panel_linear_cpu.cpp",
-                 "gguf_linear_cpu.cpp", "llama_decode_cpu.cpp")
+                 "gguf_linear_cpu.cpp", "llama_decode_cpu.cpp", "weight_memory_cpu.cpp")
 ]
 # -march=native: the build is for this CPU; its name carries the CPU's feature flags so a cache
 # shared with another machine never loads code built for different instructions.

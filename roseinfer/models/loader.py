@@ -6,11 +6,9 @@ checkpoint file with a tokenizer directory.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import gc
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from torch import nn
 
 from roseinfer.config import EngineConfig, ModelConfig
 from roseinfer.errors import ModelLoadError
+from roseinfer.heap import trim_heap
 from roseinfer.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from roseinfer.models.gguf_file import GGUFFile
 from roseinfer.models.gguf_loader import gguf_weights, model_config_from_gguf
@@ -211,22 +210,6 @@ def release_free_memory() -> None:
     system: without it they stay in the process's resident memory (~0.2 GB for the default model)."""
     gc.collect()
     trim_heap()
-
-
-def trim_heap() -> None:
-    """Return the malloc heaps' free pages to the system (glibc; elsewhere nothing to do)."""
-    malloc_trim = _malloc_trim()
-    if malloc_trim is not None:
-        malloc_trim(0)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, looked up once (the model runner calls it after every prefill)."""
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        return None
 
 
 def load_model(

@@ -25,6 +25,7 @@ from roseinfer.core.kv_cache_groups import kv_group_windows, layer_kv_groups
 from roseinfer.core.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.distributed.partition import partition
+from roseinfer.heap import trim_heap
 from roseinfer.layers.attention import AttentionMetadata
 from roseinfer.layers.attention_backends import (
     AttentionBatch,
@@ -32,7 +33,6 @@ from roseinfer.layers.attention_backends import (
     select_attention_backend,
 )
 from roseinfer.models.fused_decode import fused_decoder_for
-from roseinfer.models.loader import trim_heap
 from roseinfer.outputs import TokenLogprob
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams

@@ -18,7 +18,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
 std::vector<int64_t> gguf_types();
 std::string gguf_kernel_isa();
 int64_t gguf_row_bytes(int64_t type, int64_t K);
-std::tuple<torch::Tensor, int64_t> gguf_pack(torch::Tensor raw, int64_t type, int64_t K);
+std::tuple<torch::Tensor, int64_t> gguf_pack(torch::Tensor raw, int64_t type, int64_t K, bool lasting);
 torch::Tensor gguf_unpack(torch::Tensor packed, int64_t type, int64_t K);
 torch::Tensor gguf_dequantize(torch::Tensor packed, int64_t type, int64_t K, c10::optional<torch::Tensor> ids,
                               c10::ScalarType dtype);
@@ -46,7 +46,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_types", &gguf_types, "the GGML block types the GGUF kernels run, as type ids");
   m.def("gguf_kernel_isa", &gguf_kernel_isa, "which dot products the GGUF kernels use for small batches");
   m.def("gguf_row_bytes", &gguf_row_bytes, "bytes of one packed row of K values of a GGML type");
-  m.def("gguf_pack", &gguf_pack, "a GGUF tensor's rows in the kernels' layout, and that layout's kernel type id");
+  m.def("gguf_pack", &gguf_pack,
+        "a GGUF tensor's rows in the kernels' layout, and that layout's kernel type id; lasting: a weight "
+        "kept for the model's life, placed in 2 MiB pages",
+        pybind11::arg("raw"), pybind11::arg("type"), pybind11::arg("K"), pybind11::arg("lasting") = false);
   m.def("gguf_unpack", &gguf_unpack, "packed rows back to the GGUF file's bytes");
   m.def("gguf_dequantize", &gguf_dequantize, "rows of a packed weight (all, or `ids`), exact",
         pybind11::arg("packed"), pybind11::arg("type"), pybind11::arg("K"), pybind11::arg("ids") = pybind11::none(),

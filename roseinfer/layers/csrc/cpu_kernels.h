@@ -198,6 +198,10 @@ inline std::pair<int64_t, int64_t> kv_head_slice(int64_t kv_heads, int64_t slice
   return {kv_heads * slice / slices, kv_heads * (slice + 1) / slices};
 }
 
+// A zero tensor for a weight kept for the model's life, in 2 MiB pages where the kernel lends them
+// (weight_memory_cpu.cpp): never for temporaries.
+torch::Tensor lasting_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
+
 // out [M, N] = x [M, K] @ w.T + bias for a weight packed by pack_panels (panel_linear_cpu.cpp), in
 // parallel over the panels; bias: nullptr, or float32 over the packed columns. Only where
 // panel_linear_dtypes() lists the type.

@@ -601,7 +601,7 @@ int64_t gguf_row_bytes(int64_t type, int64_t K) {
 namespace {
 
 // The file's rows -> the row layout (the same tensor for 256-value types).
-torch::Tensor pack_rows(const torch::Tensor& raw, int64_t type, int64_t K) {
+torch::Tensor pack_rows(const torch::Tensor& raw, int64_t type, int64_t K, bool lasting) {
   torch::Tensor packed;
   TORCH_CHECK(with_block_traits(static_cast<int>(type), [&](auto traits) {
     using Tr = decltype(traits);
@@ -615,7 +615,8 @@ torch::Tensor pack_rows(const torch::Tensor& raw, int64_t type, int64_t K) {
       TORCH_CHECK(raw.size(1) == blocks * Tr::kRawBlockBytes, "raw rows of ", K, " values take ",
                   blocks * Tr::kRawBlockBytes, " bytes, got ", raw.size(1));
       auto src = raw.contiguous();
-      packed = torch::zeros({N, row_bytes<Tr>(K)}, raw.options());
+      packed = lasting ? roseinfer::lasting_zeros({N, row_bytes<Tr>(K)}, torch::kUInt8)
+                       : torch::zeros({N, row_bytes<Tr>(K)}, raw.options());
       const uint8_t* s = src.data_ptr<uint8_t>();
       uint8_t* d = packed.data_ptr<uint8_t>();
       const int64_t in_row = src.size(1), out_row = row_bytes<Tr>(K);
@@ -657,16 +658,25 @@ torch::Tensor unpack_rows(const torch::Tensor& packed, int64_t type, int64_t K) 
 // The file's rows [N, bytes of a row] of GGML type `type` -> (the kernels' layout, its kernel type
 // id): the row layout, or on VNNI builds, for the hot types and N a multiple of the layout's rows,
 // the same rows 8 or 16 at a time interleaved.
-std::tuple<torch::Tensor, int64_t> gguf_pack(torch::Tensor raw, int64_t type, int64_t K) {
-  torch::Tensor rows = pack_rows(raw, type, K), packed = rows;
+std::tuple<torch::Tensor, int64_t> gguf_pack(torch::Tensor raw, int64_t type, int64_t K, bool lasting) {
+  bool interleaves = false;
+#if ROSEINFER_GGUF_VNNI
+  with_interleaved_traits(static_cast<int>(type) + kInterleaved, [&](auto traits) {
+    interleaves = raw.dim() == 2 && raw.size(0) % rows_together<decltype(traits)>() == 0;
+  });
+#endif
+  // A lasting weight's final copy goes to weight memory (lasting_zeros); a row layout that is only
+  // a step before interleaving is a temporary.
+  torch::Tensor rows = pack_rows(raw, type, K, lasting && !interleaves), packed = rows;
   int64_t kernel_type = type;
 #if ROSEINFER_GGUF_VNNI
   with_interleaved_traits(static_cast<int>(type) + kInterleaved, [&](auto traits) {
     using Tr = decltype(traits);
+    if (!interleaves) return;
+    const int64_t units = units_of<Tr>(K), groups = rows.size(0) / rows_together<Tr>(), in_row = rows.size(1);
     constexpr int64_t R = rows_together<Tr>();
-    if (rows.size(0) % R != 0) return;
-    const int64_t units = units_of<Tr>(K), groups = rows.size(0) / R, in_row = rows.size(1);
-    packed = torch::empty({rows.size(0), row_bytes<Tr>(K)}, rows.options());
+    packed = lasting ? roseinfer::lasting_zeros({rows.size(0), row_bytes<Tr>(K)}, torch::kUInt8)
+                     : torch::empty({rows.size(0), row_bytes<Tr>(K)}, rows.options());
     const uint8_t* s = rows.data_ptr<uint8_t>();
     uint8_t* d = packed.data_ptr<uint8_t>();
     at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {

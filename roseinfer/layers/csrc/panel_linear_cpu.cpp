@@ -257,7 +257,7 @@ torch::Tensor pack_panels(torch::Tensor weight) {
   weight = weight.contiguous();
   const int64_t N = weight.size(0), steps = weight.size(1) / S;
   const int64_t panel_count = (N + kPanelColumns - 1) / kPanelColumns;
-  auto packed = torch::zeros({panel_count, steps, kPanelColumns, S}, weight.options());
+  auto packed = roseinfer::lasting_zeros({panel_count, steps, kPanelColumns, S}, weight.scalar_type());  // a weight
   // One step's inputs of one weight row are 32 contiguous bits in both layouts.
   const auto* src = reinterpret_cast<const uint32_t*>(weight.data_ptr());
   auto* dst = reinterpret_cast<uint32_t*>(packed.data_ptr());

@@ -195,7 +195,7 @@ class PackedBlocks:
             raise ModelLoadError("GGUF blocks need roseinfer's C++ CPU kernels, which could not be built here")
         if tensor.qtype not in BLOCK_TYPES:
             raise ModelLoadError(f"no kernel runs GGML type {tensor.qtype.name}; roseinfer runs {supported_type_names()}")
-        packed, kernel_type = kernels.gguf_pack(tensor.row_bytes(), int(tensor.qtype), tensor.columns)
+        packed, kernel_type = kernels.gguf_pack(tensor.row_bytes(), int(tensor.qtype), tensor.columns, lasting=True)
         if packed.data_ptr() != tensor.data.data_ptr() and tensor.release is not None:
             tensor.release()  # repacked: the file's pages are not needed any more
         return cls(tensor.qtype, packed, tensor.columns, kernel_type)
