@@ -62,7 +62,7 @@ def random_step(heads: int, kv_heads: int, head_dim: int, lengths: list[int], dt
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 48), (16, 2, 64)]
+    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 48), (16, 2, 64), (8, 4, 256)]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 5, 32])  # 5: each block ends in an unpaired token (bfloat16)

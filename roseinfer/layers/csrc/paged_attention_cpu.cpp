@@ -333,6 +333,9 @@ void decode_dispatch(int64_t head_dim, const scalar_t* q, const cache_t* k, cons
     if (head_dim == 128)
       return decode_sequence_avx512<scalar_t, cache_t, 128>(q, k, v, table, len, heads, kv_heads, pool_kv_heads,
                                                             block_size, scale, skip, softcap, out, scores, work);
+    if (head_dim == 256)  // Gemma 2 and 3
+      return decode_sequence_avx512<scalar_t, cache_t, 256>(q, k, v, table, len, heads, kv_heads, pool_kv_heads,
+                                                            block_size, scale, skip, softcap, out, scores, work);
   }
 #endif
   switch (head_dim) {
