@@ -13,6 +13,9 @@
 - float32 and bfloat16 linear layers on CPUs with AVX-512 but no AMX (panel_linear_cpu.cpp):
   1.1-1.75x oneDNN at decode batch sizes, 1.4-2.6x for one row.
 - A whole decode step of a Llama-family model with such weights in one call (llama_decode_cpu.cpp).
+- Weight memory (weight_memory_cpu.cpp): packed weights in 2 MiB pages, which PyTorch's allocator
+  does not ask for; a decode step streams every weight once, and in 4 KiB pages a one-stream
+  OLMoE-shaped decode ran 39 tok/s against 44.
 
 Building needs a C++ compiler and takes ~30 s once; the result is cached by PyTorch
 (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where it cannot be built the engine

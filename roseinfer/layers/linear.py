@@ -162,8 +162,9 @@ def prepare_linear_layers(model: nn.Module, quantization: str, device: torch.dev
     prepared = 0
     for name in names:
         prepared += kernels.prepare(model, name)
-        # Packed copies live in weight memory (csrc/weight_memory_cpu.cpp), not in the heap: give
-        # back the freed float weight's pages before the next copy is written, or the load peaks
-        # with the model twice in memory (float32 default model: 1,227 MiB for 735).
-        trim_heap()
+        if device.type == "cpu":
+            # Packed copies live in weight memory (csrc/weight_memory_cpu.cpp), not in the heap: give
+            # back the freed float weight's pages before the next copy is written, or the load peaks
+            # with the model twice in memory (float32 default model: 1,227 MiB for 736).
+            trim_heap()
     return prepared

@@ -672,9 +672,9 @@ std::tuple<torch::Tensor, int64_t> gguf_pack(torch::Tensor raw, int64_t type, in
 #if ROSEINFER_GGUF_VNNI
   with_interleaved_traits(static_cast<int>(type) + kInterleaved, [&](auto traits) {
     using Tr = decltype(traits);
-    if (!interleaves) return;
-    const int64_t units = units_of<Tr>(K), groups = rows.size(0) / rows_together<Tr>(), in_row = rows.size(1);
     constexpr int64_t R = rows_together<Tr>();
+    if (!interleaves) return;
+    const int64_t units = units_of<Tr>(K), groups = rows.size(0) / R, in_row = rows.size(1);
     packed = lasting ? roseinfer::lasting_zeros({rows.size(0), row_bytes<Tr>(K)}, torch::kUInt8)
                      : torch::empty({rows.size(0), row_bytes<Tr>(K)}, rows.options());
     const uint8_t* s = rows.data_ptr<uint8_t>();
