@@ -19,7 +19,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LLM": "roseinfer.llm",
+    "LLM": "roseinfer.engine.llm",
     "LLMEngine": "roseinfer.engine.llm_engine",
     "AsyncLLM": "roseinfer.engine.async_llm",
     "EngineConfig": "roseinfer.config",
@@ -31,7 +31,7 @@ _EXPORTS = {
     "PoolingParams": "roseinfer.pooling_params",
     "PoolingOutput": "roseinfer.outputs",
     "PoolingRequestOutput": "roseinfer.outputs",
-    "Request": "roseinfer.request",
+    "Request": "roseinfer.core.request",
     # The seed's names (roseinfer/engine/seed_api.py).
     "InferenceEngine": "roseinfer.engine.seed_api",
     "InferenceSession": "roseinfer.engine.seed_api",
@@ -79,7 +79,9 @@ def __getattr__(name: str):
 
 if TYPE_CHECKING:
     from roseinfer.config import EngineConfig
+    from roseinfer.core.request import Request
     from roseinfer.engine.async_llm import AsyncLLM
+    from roseinfer.engine.llm import LLM
     from roseinfer.engine.llm_engine import LLMEngine
     from roseinfer.engine.seed_api import (
         InferenceEngine,
@@ -90,7 +92,6 @@ if TYPE_CHECKING:
         SchedulerManager,
     )
     from roseinfer.errors import InvalidRequestError, ModelLoadError, RoseInferError
-    from roseinfer.llm import LLM
     from roseinfer.outputs import (
         CompletionOutput,
         PoolingOutput,
@@ -99,5 +100,4 @@ if TYPE_CHECKING:
         TokenLogprob,
     )
     from roseinfer.pooling_params import PoolingParams
-    from roseinfer.request import Request
     from roseinfer.sampling_params import RequestOutputKind, SamplingParams

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from roseinfer.config import EngineConfig, add_engine_args
+from roseinfer.engine.arg_utils import add_engine_args, engine_args_from_cli, engine_config_from_cli
 from roseinfer.errors import RoseInferError
 
 
@@ -24,13 +24,12 @@ def add_seed_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int 
 
 def run_generate(args: argparse.Namespace) -> int:
     """Generate for args.prompts through `LLM` and print each as the seed's offline example does."""
-    from roseinfer.config import engine_args_from_cli
+    from roseinfer.engine.input_processor import ChatPrompt
+    from roseinfer.engine.llm import LLM
     from roseinfer.executor.local_workers import run_worker_host_if_asked
-    from roseinfer.input_processor import ChatPrompt
-    from roseinfer.llm import LLM
     from roseinfer.sampling_params import SamplingParams
 
-    exit_code = run_worker_host_if_asked(EngineConfig.from_cli_args(args))
+    exit_code = run_worker_host_if_asked(engine_config_from_cli(args))
     if exit_code is not None:
         return exit_code
 

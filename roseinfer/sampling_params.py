@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roseinfer.errors import InvalidRequestError
-from roseinfer.structured_output.params import StructuredOutputsParams
+from roseinfer.structured_output_params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 16

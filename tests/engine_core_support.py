@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
+from roseinfer.common.messages import EngineCoreRequest
 from roseinfer.config import EngineConfig
 from roseinfer.core.engine_core import EngineCore
-from roseinfer.core.messages import EngineCoreRequest
+from roseinfer.core.kv_pool_plan import plan_engine
 from roseinfer.models.loader import ModelSource
 from roseinfer.sampling_params import SamplingParams
 
@@ -17,7 +18,7 @@ from roseinfer.sampling_params import SamplingParams
 def make_core(path: Path, **overrides) -> EngineCore:
     config = EngineConfig(model=str(path), **({"num_kv_blocks": 64, "block_size": 4} | overrides))
     model_config = ModelSource.resolve(config.model).model_config()
-    config.resolve(model_config)
+    plan_engine(config, model_config)
     return EngineCore(config, model_config)
 
 

@@ -248,7 +248,7 @@ def compare_logits_step_by_step(engine, reference, prompts: list[list[int]], dec
     logits of every sampled row with transformers' logits for the same full sequence. Hands the
     scheduler the reference's greedy token so both continue identically. Returns the max abs
     difference."""
-    from roseinfer.core.messages import ModelRunnerOutput
+    from roseinfer.common.messages import ModelRunnerOutput
     from roseinfer.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)

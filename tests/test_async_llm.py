@@ -95,7 +95,7 @@ def test_admission_limit(async_llm):
 def test_a_request_of_several_prompts_checks_its_grammar_once(async_llm, monkeypatch):
     import llguidance
 
-    import roseinfer.structured_output.params as params_module
+    import roseinfer.structured_output_params as params_module
     from roseinfer.engine.async_llm import NewRequest
     from roseinfer.structured_output import StructuredOutputsParams
 

@@ -10,9 +10,9 @@ import pytest
 import zmq
 from live_server import free_port
 
+from roseinfer.common.channel import ExecutorChannels, WorkerChannels
+from roseinfer.common.channel_security import SECRET_ENV, channel_keys
 from roseinfer.errors import InvalidRequestError
-from roseinfer.executor.channel import ExecutorChannels, WorkerChannels
-from roseinfer.executor.channel_security import SECRET_ENV, channel_keys
 
 SECRET = "the secret of this test's hosts"
 

@@ -19,8 +19,8 @@ from support import EXACT, EXACT_FLAGS, tiny_hf_model
 from tokenizers import Tokenizer
 
 from roseinfer import LLM, PoolingParams, SamplingParams
-from roseinfer.core import serial
-from roseinfer.core.messages import EngineCoreRequest, ModelRunnerOutput
+from roseinfer.common import serial
+from roseinfer.common.messages import EngineCoreRequest, ModelRunnerOutput
 from roseinfer.errors import ContextLengthError, InvalidRequestError
 
 CHUNK = 16  # max_num_batched_tokens: the 70-token prompt runs in 5 chunks

@@ -11,9 +11,9 @@ import torch
 from engine_core_support import greedy_reference, make_core, request
 from support import tiny_hf_model
 
-from roseinfer.core import serial
+from roseinfer.common import serial
+from roseinfer.common.messages import EngineCoreRequest, ModelRunnerOutput
 from roseinfer.core.engine_core import EngineCore
-from roseinfer.core.messages import EngineCoreRequest, ModelRunnerOutput
 from roseinfer.sampling_params import SamplingParams
 
 

@@ -61,7 +61,7 @@ def test_server_imports_leave_out_the_compiler_stack() -> None:
     figures = measure("""
 import sys
 import roseinfer.server.app
-import roseinfer.llm
+import roseinfer.engine.llm
 extra = {"inductor": "torch._inductor" in sys.modules}
 """)
     assert not figures["inductor"]

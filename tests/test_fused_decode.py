@@ -10,7 +10,7 @@ import torch
 from support import tiny_hf_model
 
 from roseinfer import LLM, InferenceEngine, SamplingParams
-from roseinfer.core.messages import ModelRunnerOutput
+from roseinfer.common.messages import ModelRunnerOutput
 from roseinfer.layers.cpu_kernels import cpu_kernels
 from roseinfer.models.fused_decode import fused_decoder_for, unsupported
 from roseinfer.models.llama import LlamaForCausalLM

@@ -24,8 +24,9 @@ from support import CORPUS, assert_chat_renders_as_transformers, compare_logits_
 from test_fused_decode import decode_logits_both_ways, panel_dtypes, quantizes_activations
 
 from roseinfer import LLM
-from roseinfer.core.kv_cache_groups import sliding_blocks_per_sequence
+from roseinfer.common.kv_cache_spec import sliding_blocks_per_sequence
 from roseinfer.core.kv_cache_manager import RELEASED
+from roseinfer.core.kv_pool_plan import plan_engine
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.tokenizer import Tokenizer
 
@@ -287,7 +288,7 @@ def test_kv_cache_memory_is_shared_by_the_two_pools(models):
 
     def resolved(**kwargs) -> EngineConfig:
         config = EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, **kwargs)
-        config.resolve(model)
+        plan_engine(config, model)
         return config
 
     roomy = resolved(kv_cache_memory=(2 * per_sequence * (full + sliding) + 10 * full) / 1024**3)

@@ -1,5 +1,5 @@
 """Grammars deep enough to overflow llguidance's stack (a SIGSEGV of the whole server before
-structured_output/grammar_limits.py) are refused with a 400 naming the field, before llguidance
+grammar_limits.py) are refused with a 400 naming the field, before llguidance
 sees them; the same shapes a little below the limits compile, on the threads that compile them."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import threading
 import pytest
 
 from roseinfer.errors import InvalidRequestError
-from roseinfer.structured_output import GrammarCompiler, StructuredOutputsParams
-from roseinfer.structured_output.grammar_limits import (
+from roseinfer.grammar_limits import (
     MAX_GBNF_RULES,
     MAX_RULE_DEPTH,
     MAX_SCHEMA_DEPTH,
     json_schema_depth,
     lark_rule_depth,
 )
+from roseinfer.structured_output import GrammarCompiler, StructuredOutputsParams
 
 
 def ref_chain(length: int, shape: str) -> dict:

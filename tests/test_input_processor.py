@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
+from roseinfer.engine.input_processor import ChatPrompt, InputProcessor
 from roseinfer.errors import ContextLengthError, InvalidRequestError
-from roseinfer.input_processor import ChatPrompt, InputProcessor
 from roseinfer.models.loader import ModelSource
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.tokenizer import Tokenizer

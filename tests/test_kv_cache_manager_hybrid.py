@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 from kv_cache_machine import RequestLifecycleMachine
 
-from roseinfer.core.kv_cache_groups import (
+from roseinfer.common.kv_cache_spec import (
     kv_group_windows,
     layer_kv_groups,
     sliding_blocks_per_sequence,

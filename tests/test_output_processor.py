@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from roseinfer.core.messages import EngineCoreOutput, EngineCoreOutputs
-from roseinfer.output_processor import OutputProcessor
+from roseinfer.common.messages import EngineCoreOutput, EngineCoreOutputs
+from roseinfer.engine.output_processor import OutputProcessor
 from roseinfer.sampling_params import RequestOutputKind, SamplingParams
 
 TEXT = "The answer is forty-two, and the question is unknown."

@@ -24,11 +24,10 @@ from support import (
 )
 
 from roseinfer import LLM, SamplingParams
-from roseinfer.config import EngineConfig
-from roseinfer.core import serial
-from roseinfer.core.messages import EngineCoreRequest, ReasoningSpec
+from roseinfer.common import serial
+from roseinfer.common.messages import EngineCoreRequest, ReasoningSpec
+from roseinfer.engine.input_processor import ChatPrompt, InputProcessor
 from roseinfer.errors import InvalidRequestError
-from roseinfer.input_processor import ChatPrompt, InputProcessor
 from roseinfer.models.loader import ModelSource
 from roseinfer.reasoning import get_reasoning_parser
 from roseinfer.structured_output import StructuredOutputsParams
@@ -214,7 +213,7 @@ def test_a_budget_without_a_reasoning_parser_and_a_parser_without_single_tags_ar
         InputProcessor(other.tokenizer(), other.model_config(), 256, get_reasoning_parser("qwen3"))
     assert caught.value.param == "reasoning_parser"
     with pytest.raises(InvalidRequestError, match="reasoning_parser must be one of deepseek_r1, qwen3"):
-        EngineConfig(reasoning_parser="qwq")
+        get_reasoning_parser("qwq")
 
 
 def test_the_reasoning_spec_travels_to_an_engine_core_process():

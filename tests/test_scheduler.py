@@ -6,10 +6,10 @@ request, as the model runner would with a sampled token.
 
 import pytest
 
+from roseinfer.common.messages import ModelRunnerOutput
 from roseinfer.core.kv_cache_manager import KVCacheManager
-from roseinfer.core.messages import ModelRunnerOutput
+from roseinfer.core.request import Request, RequestStatus
 from roseinfer.core.scheduler import Scheduler
-from roseinfer.request import Request, RequestStatus
 from roseinfer.sampling_params import SamplingParams
 
 

@@ -12,8 +12,8 @@ import torch
 from engine_core_support import greedy_reference, make_core, request
 from support import tiny_hf_model
 
+from roseinfer.common.messages import EngineCoreOutput, EngineCoreRequest
 from roseinfer.core.engine_core import EngineCore
-from roseinfer.core.messages import EngineCoreOutput, EngineCoreRequest
 from roseinfer.worker.fault_injection import FAULT_TOKEN_ENV
 
 FAULT_TOKEN = 7

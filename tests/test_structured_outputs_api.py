@@ -377,7 +377,7 @@ def hermes_server(tmp_path_factory) -> Iterator[ServerProcess]:
 
 
 def test_hermes_template_renders_tools_and_results(hermes_server):
-    from roseinfer.input_processor import ChatPrompt, InputProcessor
+    from roseinfer.engine.input_processor import ChatPrompt, InputProcessor
     from roseinfer.models.loader import ModelSource
 
     source = ModelSource.resolve(hermes_server.process.args[hermes_server.process.args.index("--model") + 1])

@@ -16,9 +16,10 @@ import torch
 from support import EXACT, tiny_hf_model
 
 from roseinfer import LLM, SamplingParams
+from roseinfer.common.messages import EngineCoreRequest, ModelRunnerOutput
 from roseinfer.config import EngineConfig
 from roseinfer.core.engine_core import EngineCore
-from roseinfer.core.messages import EngineCoreRequest, ModelRunnerOutput
+from roseinfer.core.kv_pool_plan import plan_engine
 from roseinfer.errors import InvalidRequestError
 from roseinfer.models.loader import ModelSource
 
@@ -31,7 +32,7 @@ def engine_config(path: Path | None, **overrides) -> tuple[EngineConfig, object]
     defaults = {"num_kv_blocks": 96, "block_size": 4, "max_num_batched_tokens": 16, "enable_prefix_caching": False}
     config = EngineConfig(model=None if path is None else str(path), **(defaults | overrides))
     model_config = ModelSource.resolve(config.model).model_config()
-    config.resolve(model_config)
+    plan_engine(config, model_config)
     return config, model_config
 
 

@@ -16,9 +16,10 @@ import pytest
 from live_server import ServerProcess
 from support import tiny_hf_model
 
+from roseinfer.common.messages import CachedRequestData, EngineCoreRequest, SchedulerOutput
 from roseinfer.config import EngineConfig
 from roseinfer.core.engine_core import EngineCore
-from roseinfer.core.messages import CachedRequestData, EngineCoreRequest, SchedulerOutput
+from roseinfer.core.kv_pool_plan import plan_engine
 from roseinfer.errors import EngineDeadError, ExecutorFailedError
 from roseinfer.models.loader import ModelSource
 from roseinfer.sampling_params import SamplingParams
@@ -59,7 +60,7 @@ def wait_until(condition, what: str) -> None:
 def make_core(path: Path) -> EngineCore:
     config = EngineConfig(model=str(path), num_kv_blocks=64, block_size=4, tensor_parallel_size=2)
     model_config = ModelSource.resolve(config.model).model_config()
-    config.resolve(model_config)
+    plan_engine(config, model_config)
     return EngineCore(config, model_config)
 
 

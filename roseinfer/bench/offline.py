@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from roseinfer.bench.prompts import chat_prompt_ids, user_chats
-from roseinfer.config import add_engine_args, engine_args_from_cli
+from roseinfer.engine.arg_utils import add_engine_args, engine_args_from_cli
 from roseinfer.step_timings import StepTimings
 
 

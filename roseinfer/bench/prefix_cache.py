@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 
 from roseinfer.bench.prompts import chat_prompt_ids, model_tokenizer, user_chats
-from roseinfer.config import add_engine_args, engine_args_from_cli
+from roseinfer.engine.arg_utils import add_engine_args, engine_args_from_cli
 
 _POLICY = (
     "Section {n}. The assistant answers questions for the staff of a regional hospital. It "

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from roseinfer.bench.corpus import DEFAULT_CORPUS
 from roseinfer.bench.prompts import chat_prompt_ids, user_chats
-from roseinfer.config import add_engine_args, engine_args_from_cli
+from roseinfer.engine.arg_utils import add_engine_args, engine_args_from_cli
 
 _TASKS = [
     "Correct the spelling and punctuation of this text and write it out again in full:\n\n{}",

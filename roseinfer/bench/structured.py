@@ -14,7 +14,7 @@ import json
 import time
 
 from roseinfer.bench.prompts import chat_prompt_ids
-from roseinfer.config import add_engine_args, engine_args_from_cli
+from roseinfer.engine.arg_utils import add_engine_args, engine_args_from_cli
 
 
 def schemas(count: int) -> list[dict]:

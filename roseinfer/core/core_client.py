@@ -16,8 +16,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from roseinfer.common import serial
+from roseinfer.common.messages import EngineCoreOutputs, EngineCoreRequest
 from roseinfer.config import EngineConfig, ModelConfig
-from roseinfer.core import serial
 from roseinfer.core.engine_core import EngineCore
 from roseinfer.core.engine_core_proc import (
     ABORT,
@@ -29,7 +30,6 @@ from roseinfer.core.engine_core_proc import (
     EngineCoreLoop,
     run_engine_core_process,
 )
-from roseinfer.core.messages import EngineCoreOutputs, EngineCoreRequest
 from roseinfer.errors import EngineDeadError
 
 logger = logging.getLogger("roseinfer")

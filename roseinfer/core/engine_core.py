@@ -16,21 +16,21 @@ import logging
 import time
 from collections.abc import Iterable
 
-from roseinfer.config import EngineConfig, ModelConfig
-from roseinfer.core.kv_cache_groups import kv_group_windows
-from roseinfer.core.kv_cache_manager import HybridKVCacheManager, KVCacheManager
-from roseinfer.core.messages import (
+from roseinfer.common.kv_cache_spec import kv_group_windows
+from roseinfer.common.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from roseinfer.config import EngineConfig, ModelConfig
+from roseinfer.core.kv_cache_manager import HybridKVCacheManager, KVCacheManager
+from roseinfer.core.request import Request, RequestStatus
 from roseinfer.core.scheduler import Scheduler
 from roseinfer.core.structured_output_manager import StructuredOutputManager
 from roseinfer.errors import EngineDeadError, ExecutorFailedError
 from roseinfer.executor import Executor, executor_class
-from roseinfer.request import Request, RequestStatus
 from roseinfer.step_timings import PhaseClock, StepTimings
 
 logger = logging.getLogger("roseinfer")
@@ -38,7 +38,7 @@ logger = logging.getLogger("roseinfer")
 
 def kv_cache_manager(config: EngineConfig, model_config: ModelConfig) -> KVCacheManager | HybridKVCacheManager:
     """One manager over one pool where the model's layers are all one kind; else one per KV cache
-    group (core/kv_cache_groups.py): the full-attention layers' pool and each window's."""
+    group (common/kv_cache_spec.py): the full-attention layers' pool and each window's."""
     windows = kv_group_windows(model_config.layer_windows)
     if len(windows) == 1:
         return KVCacheManager(

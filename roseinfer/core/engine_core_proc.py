@@ -17,10 +17,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from roseinfer.common.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from roseinfer.config import EngineConfig, ModelConfig
 from roseinfer.core.engine_core import EngineCore
-from roseinfer.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from roseinfer.request import RequestStatus
+from roseinfer.core.request import RequestStatus
 
 logger = logging.getLogger("roseinfer")
 
@@ -112,7 +112,7 @@ def run_engine_core_process(
     (or until the parent process dies)."""
     import zmq
 
-    from roseinfer.core import serial
+    from roseinfer.common import serial
 
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s[core]: %(message)s",
                         datefmt="%m-%d %H:%M:%S")

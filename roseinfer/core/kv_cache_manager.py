@@ -34,7 +34,7 @@ the span of the next query is never read again: `allocate_slots` drops it from t
 (its place holds `RELEASED`, so a table stays indexed by position) and releases it to the pool,
 where it stays cached like a finished request's block. A request then holds about
 `(span + chunk) / block_size` blocks however long it grows. A model with both full-attention and
-sliding layers (Gemma) has one `KVCacheManager` per KV cache group (core/kv_cache_groups.py), each
+sliding layers (Gemma) has one `KVCacheManager` per KV cache group (common/kv_cache_spec.py), each
 with its own pool, under a `HybridKVCacheManager`: the full group keeps every block, each sliding
 group releases as above. The scheduler is handed the table with each released place filled by the
 request's first live block: the attention kernels never read a place before the window, and the
@@ -424,7 +424,7 @@ class KVCacheManager:
 
 class HybridKVCacheManager:
     """Block tables for a model with full-attention and sliding-window layers: one `KVCacheManager`
-    per KV cache group (core/kv_cache_groups.py), each over its own pool, the full group first.
+    per KV cache group (common/kv_cache_spec.py), each over its own pool, the full group first.
 
     The scheduler sees one manager: a request gets room only when every group has it (else
     nothing changes and it waits or is preempted), and its block table is one table per group.

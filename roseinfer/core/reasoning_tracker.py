@@ -11,7 +11,7 @@ the end of thinking (`forced_token`). The text side of the same phases is rosein
 
 from __future__ import annotations
 
-from roseinfer.core.messages import ReasoningSpec
+from roseinfer.common.messages import ReasoningSpec
 from roseinfer.reasoning import Phase
 
 

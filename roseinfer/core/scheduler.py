@@ -19,9 +19,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from roseinfer.config import SpeculativeConfig
-from roseinfer.core.kv_cache_manager import HybridKVCacheManager, KVCacheManager
-from roseinfer.core.messages import (
+from roseinfer.common.messages import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -30,10 +28,12 @@ from roseinfer.core.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+from roseinfer.config import SpeculativeConfig
+from roseinfer.core.kv_cache_manager import HybridKVCacheManager, KVCacheManager
+from roseinfer.core.request import Request, RequestStatus
 from roseinfer.core.spec_decode import NgramProposer
 from roseinfer.core.structured_output_manager import StructuredOutputManager
 from roseinfer.outputs import TokenLogprob
-from roseinfer.request import Request, RequestStatus
 
 
 class Scheduler:

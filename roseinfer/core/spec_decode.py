@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from roseinfer.config import SpeculativeConfig
-from roseinfer.request import Request
+from roseinfer.core.request import Request
 
 _WINDOW = 32  # drafts proposed before a request's acceptance rate is judged
 _COOLDOWN_STEPS = 32  # steps without proposals for a request judged unlucky

@@ -17,8 +17,8 @@ from concurrent.futures import Future
 import numpy as np
 
 from roseinfer.config import EngineConfig, ModelConfig
+from roseinfer.core.request import Request
 from roseinfer.errors import InvalidRequestError
-from roseinfer.request import Request
 from roseinfer.structured_output import (
     CompiledGrammar,
     GrammarCompiler,

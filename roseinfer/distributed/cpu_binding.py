@@ -14,36 +14,10 @@ from __future__ import annotations
 import logging
 import os
 
+from roseinfer.config import parse_cpu_binding
 from roseinfer.errors import InvalidRequestError
 
 logger = logging.getLogger("roseinfer")
-
-
-def parse_core_list(text: str) -> list[int]:
-    """'0,2,4-7' -> [0, 2, 4, 5, 6, 7]."""
-    cores: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        low, dash, high = part.partition("-")
-        if not low.isdigit() or (dash and not high.isdigit()):
-            raise InvalidRequestError(
-                f"cpu_threads_bind: {text!r} is not a core list like '0,2,4-7'", "cpu_threads_bind"
-            )
-        first, last = int(low), int(high) if dash else int(low)
-        if last < first:
-            raise InvalidRequestError(f"cpu_threads_bind: range {part!r} runs backwards", "cpu_threads_bind")
-        cores.extend(range(first, last + 1))
-    return sorted(set(cores))
-
-
-def parse_cpu_binding(spec: str) -> list[list[int]] | None:
-    """The explicit per-rank core lists of `spec`, or None for "auto" and "none"."""
-    if spec in ("auto", "none"):
-        return None
-    if not spec.strip():
-        raise InvalidRequestError("cpu_threads_bind must be auto, none or core lists like '0-3|4-7'",
-                                  "cpu_threads_bind")
-    return [parse_core_list(part) for part in spec.split("|")]
 
 
 def plan_cpu_binding(spec: str, local_ranks: int) -> list[list[int] | None]:

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from roseinfer.common.messages import EngineCoreOutputs, SchedulerStats
 from roseinfer.config import EngineConfig
 from roseinfer.core.core_client import (
     EngineCoreClient,
@@ -22,8 +23,8 @@ from roseinfer.core.core_client import (
     ThreadedEngineCoreClient,
 )
 from roseinfer.core.engine_core import EngineCore
-from roseinfer.core.messages import EngineCoreOutputs, SchedulerStats
 from roseinfer.engine.front_end import EngineFrontEnd
+from roseinfer.engine.input_processor import ProcessedRequest, PromptType
 from roseinfer.engine.stats import StatLogger
 from roseinfer.errors import (
     EngineDeadError,
@@ -31,7 +32,6 @@ from roseinfer.errors import (
     RequestTimeoutError,
     RoseInferError,
 )
-from roseinfer.input_processor import ProcessedRequest, PromptType
 from roseinfer.outputs import PoolingRequestOutput, RequestOutput
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams

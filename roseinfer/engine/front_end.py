@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 
+from roseinfer.common.kv_cache_spec import kv_group_windows, layer_kv_groups
+from roseinfer.common.messages import EngineCoreRequest
 from roseinfer.config import EngineConfig
-from roseinfer.core.kv_cache_groups import kv_group_windows, layer_kv_groups
-from roseinfer.core.messages import EngineCoreRequest
-from roseinfer.input_processor import InputProcessor, ProcessedRequest
+from roseinfer.core.kv_pool_plan import plan_engine
+from roseinfer.engine.input_processor import InputProcessor, ProcessedRequest
+from roseinfer.engine.output_processor import OutputProcessor
 from roseinfer.models.loader import ModelSource
-from roseinfer.output_processor import OutputProcessor
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.reasoning import get_reasoning_parser
 
@@ -19,16 +20,17 @@ logger = logging.getLogger("roseinfer")
 
 class EngineFrontEnd:
     def __init__(self, config: EngineConfig) -> None:
+        # The thinking model's markup (None: not a thinking model): the API front ends split
+        # responses with it (roseinfer/reasoning), the input processor marks requests with it.
+        # Looked up first: an unknown name is refused before the model is read.
+        self.reasoning_parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
         source = ModelSource.resolve(config.model, config.tokenizer)
         self.model_config = source.model_config()
-        config.resolve(self.model_config)
+        plan_engine(config, self.model_config)
         self.config = config
         self.tokenizer = source.tokenizer()
         self.model_name = config.served_model_name or source.name
         self.max_model_len: int = config.max_model_len
-        # The thinking model's markup (None: not a thinking model): the API front ends split
-        # responses with it (roseinfer/reasoning), the input processor marks requests with it.
-        self.reasoning_parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
         self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len,
                                               self.reasoning_parser,
                                               PoolingParams(config.pooling, config.pooling_normalize))
@@ -48,7 +50,7 @@ class EngineFrontEnd:
     def log_ready(self, seconds: float) -> None:
         config, model = self.config, self.model_config
         dtype = "q8_0" if config.kv_cache_dtype == "q8_0" else str(config.kv_cache_torch_dtype).removeprefix("torch.")
-        # One pool per KV cache group (core/kv_cache_groups.py): all layers, or a model's full and sliding layers.
+        # One pool per KV cache group (common/kv_cache_spec.py): all layers, or a model's full and sliding layers.
         groups = layer_kv_groups(model.layer_windows)
         pools = []
         for group, window in enumerate(kv_group_windows(model.layer_windows)):

@@ -12,8 +12,8 @@ from typing import Any
 from roseinfer.config import EngineConfig
 from roseinfer.core.engine_core import EngineCore
 from roseinfer.engine.front_end import EngineFrontEnd
+from roseinfer.engine.input_processor import ProcessedRequest, PromptType
 from roseinfer.engine.stats import StatLogger
-from roseinfer.input_processor import ProcessedRequest, PromptType
 from roseinfer.outputs import PoolingRequestOutput, RequestOutput
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams

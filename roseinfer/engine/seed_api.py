@@ -3,7 +3,7 @@
 
     InferenceEngine    the seed's engine: `generate`, `stream_generate`, `add_request`, `step`,
                        over an `LLMEngine` (also `LLM.engine`), with read-only views of its parts
-    InferenceSession   a request's state in the engine core (`roseinfer.request.Request`)
+    InferenceSession   a request's state in the engine core (`roseinfer.core.request.Request`)
     OfflineScheduler   the seed's batch API: `add_request`, `step`, `has_unfinished`, `run`
     OnlineScheduler    an engine fed from other threads while one thread steps it
     SchedulerManager   the seed's event-loop bridge: an OnlineScheduler stepped in a thread of its own
@@ -24,14 +24,14 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from roseinfer.common.messages import SchedulerStats
 from roseinfer.config import EngineConfig
-from roseinfer.core.messages import SchedulerStats
+from roseinfer.core.request import Request
+from roseinfer.engine.input_processor import ProcessedRequest, PromptType
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.stats import IterationStats, LoggingStatLogger
 from roseinfer.errors import EngineDeadError, EngineOverloadedError
-from roseinfer.input_processor import ProcessedRequest, PromptType
 from roseinfer.outputs import RequestOutput, TokenLogprob
-from roseinfer.request import Request
 from roseinfer.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("roseinfer")

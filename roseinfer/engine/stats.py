@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from roseinfer.core.messages import SchedulerStats
+from roseinfer.common.messages import SchedulerStats
 
 
 @dataclass

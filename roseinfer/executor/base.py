@@ -5,8 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+from roseinfer.common.messages import ModelRunnerOutput, SchedulerOutput
 from roseinfer.config import EngineConfig, ModelConfig
-from roseinfer.core.messages import ModelRunnerOutput, SchedulerOutput
 from roseinfer.step_timings import StepTimings
 
 

@@ -1,6 +1,6 @@
 """The multiprocess executor: one worker process per tensor-parallel rank, driven over ZeroMQ.
 
-Each step's `SchedulerOutput` is encoded once and broadcast to every rank (executor/channel.py);
+Each step's `SchedulerOutput` is encoded once and broadcast to every rank (common/channel.py);
 each rank runs its shard of the model (the ranks meet only in the model's all-reduces and the
 logits gather) and rank 0 sends back the sampled tokens. Ranks on other hosts connect to host 0.
 
@@ -26,14 +26,14 @@ import numpy as np
 import torch
 import zmq
 
+from roseinfer.common import serial
+from roseinfer.common.channel import ExecutorChannels, WorkerStalledError
+from roseinfer.common.channel_security import channel_keys
+from roseinfer.common.messages import ModelRunnerOutput, SchedulerOutput
 from roseinfer.config import EngineConfig, ModelConfig
-from roseinfer.core import serial
-from roseinfer.core.messages import ModelRunnerOutput, SchedulerOutput
 from roseinfer.distributed.layout import distributed_layout
 from roseinfer.errors import ExecutorFailedError, InvalidRequestError
 from roseinfer.executor.base import Executor
-from roseinfer.executor.channel import ExecutorChannels, WorkerStalledError
-from roseinfer.executor.channel_security import channel_keys
 from roseinfer.executor.local_workers import LocalWorkers
 from roseinfer.step_timings import PhaseClock, StepTimings
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from roseinfer.common.messages import ModelRunnerOutput, SchedulerOutput
 from roseinfer.config import EngineConfig, ModelConfig
-from roseinfer.core.messages import ModelRunnerOutput, SchedulerOutput
 from roseinfer.executor.base import Executor
 from roseinfer.models.loader import load_model_weights
 from roseinfer.step_timings import StepTimings

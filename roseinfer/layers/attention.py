@@ -71,7 +71,7 @@ class AttentionMetadata:
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # The backend that built this metadata and runs every layer's attention over it.
     backend: AttentionBackend | None = None
-    # A model with several KV cache groups (core/kv_cache_groups.py: Gemma's full and sliding
+    # A model with several KV cache groups (common/kv_cache_spec.py: Gemma's full and sliding
     # layers, each kind with a pool of its own): each group's metadata (its slots and block
     # tables) by the group's window, None for full attention; this metadata is one of them.
     # Empty: one group, this metadata serves every layer.

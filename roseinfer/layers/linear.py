@@ -29,6 +29,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from roseinfer.config import QUANTIZATION_METHODS
 from roseinfer.errors import InvalidRequestError
 from roseinfer.heap import trim_heap
 from roseinfer.layers.quantization.dense import PanelLinear, PrepackedLinear, float_linear
@@ -43,7 +44,6 @@ from roseinfer.layers.quantization.gguf import (
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
 BLOCK_VALUES = 32  # int4 / int8 blocks: Q4_1 / Q8_0
 _QUANTIZED_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_1}
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from roseinfer.config import rope_scaling_type
 from roseinfer.errors import ModelLoadError
 from roseinfer.layers.cpu_kernels import cpu_kernels
 from roseinfer.layers.quantization import permute_rows
@@ -50,13 +51,6 @@ def rope_inverse_frequencies(
 
 
 ROPE_SCALING_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-
-
-def rope_scaling_type(scaling: dict[str, Any] | None) -> str:
-    """The scaling's kind as transformers names it ("rope_type", or the older "type"); Phi-3's
-    checkpoints spell LongRoPE "su" (and a few "yarn", which transformers reads as LongRoPE)."""
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    return "longrope" if kind == "su" else kind
 
 
 def unsupported_rope_scaling(kind: object) -> ModelLoadError:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from roseinfer.config import ModelConfig
+from roseinfer.config import ModelConfig, rope_scaling_type
 from roseinfer.errors import ModelLoadError
-from roseinfer.layers.rotary import ROPE_SCALING_TYPES, rope_scaling_type, unsupported_rope_scaling
+from roseinfer.layers.rotary import ROPE_SCALING_TYPES, unsupported_rope_scaling
 from roseinfer.models.gguf_file import GGUFFile
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from roseinfer.core.kv_cache_groups import layer_kv_groups
+from roseinfer.common.kv_cache_spec import layer_kv_groups
 from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.layers.attention import AttentionLayerParams
 from roseinfer.layers.cpu_kernels import cpu_kernels
@@ -232,7 +232,7 @@ def fused_decoder_for(model: nn.Module, dtype: torch.dtype, device: torch.device
         spec.final_norm, _linear(spec.lm_head), layers, scale,
     )
     # A model with full and sliding layers keeps a pool per kind, read through its own block
-    # tables and slots (core/kv_cache_groups.py): each layer names its group.
+    # tables and slots (common/kv_cache_spec.py): each layer names its group.
     for index, group in enumerate(layer_kv_groups([layer.attention.sliding_window for layer in spec.layers])):
         if group:
             decoder.set_kv_group(index, group)

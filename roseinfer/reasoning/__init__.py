@@ -15,6 +15,7 @@ starts inside the thinking.
 
 from __future__ import annotations
 
+from roseinfer.errors import InvalidRequestError
 from roseinfer.reasoning.base import (
     Phase,
     ReasoningDelta,
@@ -35,8 +36,8 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
     try:
         return REASONING_PARSERS[name]()
     except KeyError:
-        raise ValueError(
-            f"unknown reasoning parser {name!r} (available: {', '.join(sorted(REASONING_PARSERS))})"
+        raise InvalidRequestError(
+            f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}, got {name!r}", "reasoning_parser"
         ) from None
 
 

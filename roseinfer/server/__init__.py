@@ -192,12 +192,12 @@ def is_loopback(host: str) -> bool:
 def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from roseinfer.config import EngineConfig
+    from roseinfer.engine.arg_utils import engine_config_from_cli
     from roseinfer.engine.async_llm import AsyncLLM
+    from roseinfer.engine.input_processor import RequestLimits, longest_prompt_chars
     from roseinfer.engine.stats import LoggingStatLogger
     from roseinfer.errors import RoseInferError
     from roseinfer.executor.local_workers import run_worker_host_if_asked
-    from roseinfer.input_processor import RequestLimits, longest_prompt_chars
     from roseinfer.server.app import create_app
     from roseinfer.server.connections import guarded_protocol
     from roseinfer.server.metrics import PrometheusStatLogger
@@ -206,7 +206,7 @@ def run_server(args: argparse.Namespace) -> int:
         from roseinfer.server.data_parallel import run_data_parallel
 
         return run_data_parallel(args, getattr(args, "argv", sys.argv[1:]))
-    exit_code = run_worker_host_if_asked(EngineConfig.from_cli_args(args))
+    exit_code = run_worker_host_if_asked(engine_config_from_cli(args))
     if exit_code is not None:  # a host without the engine: only its tensor-parallel workers ran
         return exit_code
     for flag in ("max_queue_len", "max_request_body_bytes", "max_prompt_chars", "max_stop", "max_stop_chars",
@@ -223,7 +223,7 @@ def run_server(args: argparse.Namespace) -> int:
         raise RoseInferError("--responses-store-max-entries and --responses-store-max-bytes must be >= 0, "
                              "--responses-store-ttl > 0")
     store = ResponseStore(args.responses_store_max_entries, args.responses_store_max_bytes, args.responses_store_ttl)
-    config = EngineConfig.from_cli_args(args)
+    config = engine_config_from_cli(args)
     config.served_model_name = args.served_model_name
     max_queue_len = args.max_queue_len or 2 * config.max_num_seqs
     engine = AsyncLLM(config, engine_core=args.engine_core, max_queue_len=max_queue_len,

@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from roseinfer.engine.input_processor import ChatPrompt
 from roseinfer.errors import InvalidRequestError
-from roseinfer.input_processor import ChatPrompt
 from roseinfer.outputs import CompletionOutput
 from roseinfer.reasoning import ReasoningDelta, ReasoningStream
 from roseinfer.server.anthropic_protocol import (

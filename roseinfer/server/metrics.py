@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from roseinfer.core.messages import SchedulerStats
+from roseinfer.common.messages import SchedulerStats
 from roseinfer.engine.stats import IterationStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

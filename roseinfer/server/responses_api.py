@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
 from roseinfer.engine.async_llm import NewRequest
+from roseinfer.engine.input_processor import ChatPrompt
 from roseinfer.errors import InvalidRequestError
-from roseinfer.input_processor import ChatPrompt
 from roseinfer.outputs import CompletionOutput
 from roseinfer.reasoning import ReasoningDelta, ReasoningStream
 from roseinfer.reasoning.base import Phase

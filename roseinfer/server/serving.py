@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from roseinfer.engine.async_llm import AsyncLLM, NewRequest, RequestOutputStream
+from roseinfer.engine.input_processor import ChatPrompt
 from roseinfer.errors import InvalidRequestError
-from roseinfer.input_processor import ChatPrompt
 from roseinfer.outputs import CompletionOutput, RequestOutput
 from roseinfer.sampling_params import RequestOutputKind, SamplingParams
 from roseinfer.server.error_responses import (

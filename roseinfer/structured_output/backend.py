@@ -18,7 +18,7 @@ import torch
 from roseinfer.errors import InvalidRequestError
 from roseinfer.structured_output.compile_pool import CompilePool, CompileTimeout
 from roseinfer.structured_output.llg_tokenizer import build_llg_tokenizer
-from roseinfer.structured_output.params import StructuredOutputsParams
+from roseinfer.structured_output_params import StructuredOutputsParams
 from roseinfer.tokenizer import Tokenizer
 
 

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from roseinfer.common.kv_cache_spec import kv_group_windows, layer_kv_groups
+from roseinfer.common.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from roseinfer.config import EngineConfig, ModelConfig
-from roseinfer.core.kv_cache_groups import kv_group_windows, layer_kv_groups
-from roseinfer.core.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.distributed.partition import partition
 from roseinfer.heap import trim_heap
@@ -130,7 +130,7 @@ class ModelRunner:
         self.timings = timings or StepTimings()
         # One pool per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim], with only this
         # rank's KV heads under tensor parallelism. With several KV cache groups (Gemma's full and
-        # sliding layers, core/kv_cache_groups.py) a layer's pool has its group's blocks, and each
+        # sliding layers, common/kv_cache_spec.py) a layer's pool has its group's blocks, and each
         # request has a block table per group.
         tp = get_tp_group()
         kv_heads = partition(model_config.num_kv_heads, tp.size, tp.rank)[1]

@@ -1,5 +1,5 @@
 """A tensor-parallel worker process: one rank's model shard, KV pool and model runner, driven by
-the messages its executor broadcasts (executor/channel.py).
+the messages its executor broadcasts (common/channel.py).
 
     ("init", (EngineConfig, ModelConfig))  join the torch.distributed group, load this rank's
                                            shard, build the runner; reply ("ready", rank, None)
@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from roseinfer.common.channel import EngineGoneError, WorkerChannels
+from roseinfer.common.channel_security import channel_keys
+from roseinfer.common.messages import ModelRunnerOutput, SchedulerOutput
 from roseinfer.config import EngineConfig, ModelConfig
-from roseinfer.core.messages import ModelRunnerOutput, SchedulerOutput
 from roseinfer.distributed.cpu_binding import apply_cpu_binding
 from roseinfer.distributed.network import choose_gloo_interface
 from roseinfer.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-from roseinfer.executor.channel import EngineGoneError, WorkerChannels
-from roseinfer.executor.channel_security import channel_keys
 from roseinfer.models.loader import load_model_weights
 from roseinfer.worker.model_runner import ModelRunner
 

@@ -302,7 +302,7 @@ class LlamaDecoder {
     layers_[index].qk_norm_over_all_heads = true;
   }
 
-  // Layer `index`'s pool belongs to KV cache group `group` (core/kv_cache_groups.py: a model with
+  // Layer `index`'s pool belongs to KV cache group `group` (common/kv_cache_spec.py: a model with
   // full and sliding-window layers keeps one pool, block table and slot mapping per kind).
   void set_kv_group(int64_t index, int64_t group) {
     TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "no layer ", index);

@@ -4,7 +4,7 @@
     front end <--EngineCoreOutputs-- EngineCore <--ModelRunnerOutput-- Executor / ModelRunner
 
 Every message is a dataclass of ints, strings, lists, `SamplingParams` and numpy arrays only, so
-that `roseinfer.core.serial` can send it to another process (an engine-core process, a
+that `roseinfer.common.serial` can send it to another process (an engine-core process, a
 tensor-parallel worker) as it is; in one process the objects are passed along without copying.
 """
 
@@ -113,7 +113,7 @@ class NewRequestData:
     output_token_ids: list[int]  # tokens generated before (a fork's parent has none yet)
     sampling_params: SamplingParams | None  # None for a pooling request
     eos_token_ids: list[int]
-    # Its block table; a model with several KV cache groups (core/kv_cache_groups.py): one per group.
+    # Its block table; a model with several KV cache groups (common/kv_cache_spec.py): one per group.
     block_ids: list[int] | list[list[int]]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None  # a pooling request: pool its prompt, sample nothing

@@ -12,8 +12,8 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
+from roseinfer import grammar_limits
 from roseinfer.errors import InvalidRequestError
-from roseinfer.structured_output import grammar_limits
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _JSON_KINDS = frozenset({"json", "json_object"})

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from roseinfer.common.messages import EngineCoreRequest, ReasoningSpec
 from roseinfer.config import ModelConfig
-from roseinfer.core.messages import EngineCoreRequest, ReasoningSpec
 from roseinfer.errors import ContextLengthError, InvalidRequestError
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.reasoning import ReasoningParser

@@ -10,10 +10,10 @@ from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
+from roseinfer.engine.input_processor import ChatPrompt
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.seed_api import InferenceEngine
 from roseinfer.errors import InvalidRequestError
-from roseinfer.input_processor import ChatPrompt
 from roseinfer.outputs import PoolingRequestOutput, RequestOutput
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import RequestOutputKind, SamplingParams

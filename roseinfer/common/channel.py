@@ -21,14 +21,14 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from roseinfer.config import EngineConfig, ModelConfig, MoeConfig
-from roseinfer.core import serial
-from roseinfer.executor.channel_security import (
+from roseinfer.common import serial
+from roseinfer.common.channel_security import (
     CurveKeys,
     make_client,
     make_server,
     start_authenticator,
 )
+from roseinfer.config import EngineConfig, ModelConfig, MoeConfig
 
 # The configuration travels to every rank (remote hosts included) in the first broadcast.
 serial.register(EngineConfig)

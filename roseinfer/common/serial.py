@@ -1,4 +1,4 @@
-"""msgpack encoding of the engine's messages (core/messages.py), for ZeroMQ between processes.
+"""msgpack encoding of the engine's messages (common/messages.py), for ZeroMQ between processes.
 
 A registered dataclass travels as an extension of its class name and its `__init__` fields, and
 is rebuilt by calling the class (so `SamplingParams` is validated again on arrival); numpy arrays
@@ -13,11 +13,11 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from roseinfer.core import messages
+from roseinfer.common import messages
 from roseinfer.outputs import TokenLogprob
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
-from roseinfer.structured_output.params import StructuredOutputsParams
+from roseinfer.structured_output_params import StructuredOutputsParams
 
 _DATACLASS = 1
 _NDARRAY = 2

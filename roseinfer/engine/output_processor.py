@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from roseinfer.core.messages import EngineCoreOutput, EngineCoreOutputs
+from roseinfer.common.messages import EngineCoreOutput, EngineCoreOutputs
 from roseinfer.detokenizer import IncrementalDetokenizer
 from roseinfer.engine.stats import FinishedRequestStats, IterationStats
 from roseinfer.outputs import (

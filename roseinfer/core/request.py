@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from roseinfer.core.messages import EngineCoreRequest, ReasoningSpec
+from roseinfer.common.messages import EngineCoreRequest, ReasoningSpec
 from roseinfer.core.reasoning_tracker import ReasoningTracker
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
