@@ -122,5 +122,66 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+
+# -- the flags reference in docs/api.md, rendered from the parser so that it cannot drift ---------
+
+FLAGS_BEGIN = "<!-- BEGIN GENERATED: roseinfer serve --help -->"
+FLAGS_END = "<!-- END GENERATED: roseinfer serve --help -->"
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of one subcommand (`serve`, `generate`, ...)."""
+    parser = build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise KeyError(name)
+
+
+def _cell(text: str, code: bool = False) -> str:
+    """One line of a Markdown table cell, taken literally (in a code span when `code`)."""
+    text = " ".join(text.split()).replace("|", "\\|")
+    return f"`{text}`" if code else text.replace("<", "&lt;").replace("*", "\\*")
+
+
+def flags_markdown(parser: argparse.ArgumentParser) -> str:
+    """`parser`'s options as Markdown: one table per argument group, in --help's order, with each
+    flag as --help spells it, its default and its help text."""
+    formatter = parser._get_formatter()
+    sections = []
+    for group in parser._action_groups:
+        actions = [action for action in group._group_actions if not isinstance(action, argparse._HelpAction)]
+        if not actions:
+            continue
+        rows = [f"**{_cell(group.title or '')}**", "", "| flag | default | what it does |", "|---|---|---|"]
+        for action in actions:
+            default = action.default
+            flag_only = isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction)
+            shown = "" if default is None or default is argparse.SUPPRESS or flag_only else _cell(
+                repr(default) if default == "" else str(default), code=True)
+            help_text = formatter._expand_help(action) if action.help else ""
+            rows.append(f"| {_cell(formatter._format_action_invocation(action), code=True)} | {shown} "
+                        f"| {_cell(help_text)} |")
+        sections.append("\n".join(rows))
+    return "\n\n".join(sections) + "\n"
+
+
+def docs_with_flags(text: str) -> str:
+    """`text` (docs/api.md) with the part between the markers replaced by `serve`'s flags table."""
+    head, begin, rest = text.partition(FLAGS_BEGIN)
+    _, end, tail = rest.partition(FLAGS_END)
+    if not begin or not end:
+        raise ValueError(f"the markers {FLAGS_BEGIN!r} and {FLAGS_END!r} are missing")
+    return f"{head}{FLAGS_BEGIN}\n\n{flags_markdown(command_parser('serve'))}\n{FLAGS_END}{tail}"
+
+
+def write_docs_flags(path: str = "docs/api.md") -> None:
+    """Regenerate docs/api.md's flags table: `python -c 'import roseinfer.cli as c; c.write_docs_flags()'`."""
+    with open(path, encoding="utf-8") as file:
+        text = file.read()
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(docs_with_flags(text))
+
+
 if __name__ == "__main__":
     raise SystemExit(main())
