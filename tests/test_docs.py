@@ -57,13 +57,24 @@ def test_no_path_of_a_developers_machine(path: Path) -> None:
     assert not found, f"{path.name} names paths of a developer's machine:\n" + "\n".join(found)
 
 
+def _anchors(path: Path) -> set[str]:
+    """The fragment each heading of `path` gets on GitHub."""
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+
+
 @pytest.mark.parametrize("path", DOCUMENTS, ids=lambda path: path.name)
 def test_relative_links_lead_somewhere(path: Path) -> None:
     text = path.read_text(encoding="utf-8")
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"[a-z]+:", target):
             continue
-        assert (path.parent / target.split("#")[0]).exists(), f"{path.name} links to {target}, which is not there"
+        file, _, fragment = target.partition("#")
+        linked = path.parent / file if file else path
+        assert linked.exists(), f"{path.name} links to {target}, which is not there"
+        if fragment and linked.suffix == ".md":
+            assert fragment in _anchors(linked), f"{path.name} links to {target}: no such heading"
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
