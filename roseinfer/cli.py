@@ -144,10 +144,19 @@ def _cell(text: str, code: bool = False) -> str:
     return f"`{text}`" if code else text.replace("<", "&lt;").replace("*", "\\*")
 
 
+def _invocation(formatter: argparse.HelpFormatter, action: argparse.Action) -> str:
+    """A flag's spellings and its argument once (`--model, --checkpoint-path MODEL`), the same on
+    every Python (--help's own spelling of several names changed in 3.13)."""
+    names = ", ".join(action.option_strings)
+    if action.nargs == 0:
+        return names
+    return f"{names} {formatter._format_args(action, formatter._get_default_metavar_for_optional(action))}"
+
+
 def flags_markdown(parser: argparse.ArgumentParser) -> str:
     """`parser`'s options as Markdown: one table per argument group, in --help's order, with each
     flag as --help spells it, its default and its help text."""
-    formatter = parser._get_formatter()
+    formatter = argparse.HelpFormatter(parser.prog)  # plain, whatever the terminal
     sections = []
     for group in parser._action_groups:
         actions = [action for action in group._group_actions if not isinstance(action, argparse._HelpAction)]
@@ -160,7 +169,7 @@ def flags_markdown(parser: argparse.ArgumentParser) -> str:
             shown = "" if default is None or default is argparse.SUPPRESS or flag_only else _cell(
                 repr(default) if default == "" else str(default), code=True)
             help_text = formatter._expand_help(action) if action.help else ""
-            rows.append(f"| {_cell(formatter._format_action_invocation(action), code=True)} | {shown} "
+            rows.append(f"| {_cell(_invocation(formatter, action), code=True)} | {shown} "
                         f"| {_cell(help_text)} |")
         sections.append("\n".join(rows))
     return "\n\n".join(sections) + "\n"
