@@ -65,6 +65,17 @@ class MoeConfig:
 
 
 @dataclass
+class RecurrentConfig:
+    """A hybrid model's recurrent layers (layers/recurrent): the recurrence they run (a registry
+    name there), which layers (the others are full attention), and the recurrence's own parameters
+    dataclass (e.g. GatedDeltaNetParams), read by its layer class and its state spec."""
+
+    kind: str
+    layers: tuple[int, ...]
+    params: Any
+
+
+@dataclass
 class ModelConfig:
     """The architecture hyper-parameters a model implementation needs, whatever file they came from."""
 
@@ -100,7 +111,8 @@ class ModelConfig:
     rotary_dim: int | None = None  # partial rotary (Phi-4-mini): the first dimensions of each head; None: all
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
-    moe: MoeConfig | None = None  # architecture "moe"
+    moe: MoeConfig | None = None  # architecture "moe" (and Qwen3.5-MoE, Qwen3-Next)
+    recurrent: RecurrentConfig | None = None  # hybrid models (Qwen3.5, Qwen3-Next): their recurrent layers
     qk_norm_full: bool = False  # OLMoE: one RMSNorm over all heads of q (and of k), not per head
     # The dtype a Hugging Face checkpoint's weights are stored in ("bfloat16", "float32", ...), which
     # --dtype auto follows on the CPU where it runs fast; None for GGUF files (float32 activations).

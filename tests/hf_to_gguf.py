@@ -73,13 +73,14 @@ def write_default_tokenizer(path: Path) -> int:
     return tokenizer.backend.get_vocab_size()
 
 
-def convert_hf_to_gguf(hf_dir: Path, output: Path, outtype: str = "f32") -> Path:
-    """Convert a Hugging Face model directory to a GGUF file with llama.cpp's converter."""
+def convert_hf_to_gguf(hf_dir: Path, output: Path, outtype: str = "f32", *options: str) -> Path:
+    """Convert a Hugging Face model directory to a GGUF file with llama.cpp's converter (`options`:
+    more of its command line, e.g. --no-mtp for a Qwen3.5 built without its MTP layers)."""
     root = converter_dir()
     env = os.environ | {"PYTHONPATH": str(root / "gguf-py"), "NO_LOCAL_GGUF": ""}
     result = subprocess.run(
         [sys.executable, str(root / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(output),
-         "--outtype", outtype],
+         "--outtype", outtype, *options],
         env=env, capture_output=True, text=True,
     )
     if result.returncode != 0:

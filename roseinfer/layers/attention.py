@@ -76,6 +76,9 @@ class AttentionMetadata:
     # tables) by the group's window, None for full attention; this metadata is one of them.
     # Empty: one group, this metadata serves every layer.
     groups: dict[int | None, AttentionMetadata] = field(default_factory=dict)
+    # Hybrid models: each sequence's slot in its recurrent layers' state pools (layers/recurrent),
+    # one per sequence in batch order (decodes, then prefill chunks); int64 on the device.
+    state_slots: torch.Tensor | None = None
 
     def for_layer(self, window: int | None) -> AttentionMetadata:
         """The metadata a layer with this sliding window reads its pool through."""

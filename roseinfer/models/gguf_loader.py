@@ -86,13 +86,15 @@ def gguf_weights(
         if name in _ROPE_FACTOR_TENSORS:
             continue  # part of the rotary scaling in the config
         stem, _, suffix = name.rpartition(".")  # suffix: weight | bias
+        if suffix not in ("weight", "bias"):  # a bare parameter (Qwen3.5's blk.N.ssm_a)
+            stem, suffix = name, ""
         parts = stem.split(".")
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in expert_tensors:
             tensor = gguf.load_tensor(name) if expand else gguf.tensor(name)
             yield from _expert_slices(tensor, gguf.tensor_shape(name), parts[1], expert_tensors[parts[2]])
             continue
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in per_layer:
-            hf_name = f"{layer_prefix}.{parts[1]}.{per_layer[parts[2]]}.{suffix}"
+            hf_name = f"{layer_prefix}.{parts[1]}.{per_layer[parts[2]]}" + (f".{suffix}" if suffix else "")
             module = parts[2]
         elif stem in global_names:
             hf_name, module = f"{global_names[stem]}.{suffix}", stem

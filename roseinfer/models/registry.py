@@ -19,6 +19,7 @@ from roseinfer.models.gpt2 import GPT2LMHeadModel
 from roseinfer.models.llama import LlamaForCausalLM
 from roseinfer.models.moe import MoeForCausalLM
 from roseinfer.models.phi3 import Phi3ForCausalLM
+from roseinfer.models.qwen3_5 import Qwen35ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -27,6 +28,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gemma3": GemmaForCausalLM,
     "phi3": Phi3ForCausalLM,
     "moe": MoeForCausalLM,
+    "qwen3_5": Qwen35ForCausalLM,  # and Qwen3.5-MoE, Qwen3-Next
 }
 
 
