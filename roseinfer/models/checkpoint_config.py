@@ -128,7 +128,8 @@ class GGUFConfigSource:
             hidden_size=hidden,
             num_layers=int(self.key("block_count")),
             num_heads=heads,
-            intermediate_size=int(self.key("feed_forward_length")),
+            # (a model whose every FFN is experts may not write it: Qwen3.5-MoE)
+            intermediate_size=int(self.key("feed_forward_length", 0 if self.get("expert_count") else None)),
             max_position_embeddings=int(self.key("context_length")),
             tie_word_embeddings=not gguf.has_tensor("output.weight"),
             eos_token_ids=list(dict.fromkeys(eos)),

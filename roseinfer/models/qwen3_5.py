@@ -298,6 +298,8 @@ class Qwen35ForCausalLM(nn.Module):
     def config_from_hf(cls, source: HFConfigSource) -> ModelConfig:
         if "text_config" in source.raw:  # a multimodal checkpoint: the language model's config inside
             source = dataclasses.replace(source, raw={**source.raw["text_config"], "model_type": source.model_type})
+        if "intermediate_size" not in source.raw:  # Qwen3.5-MoE: every layer's MLP is experts
+            source = dataclasses.replace(source, raw={**source.raw, "intermediate_size": 0})
         raw, model_type = source.raw, source.model_type
         if raw.get("hidden_act", "silu") != "silu":
             raise source.error(f"activation {raw['hidden_act']!r} is not supported (silu only)")
@@ -330,7 +332,7 @@ class Qwen35ForCausalLM(nn.Module):
                                    if i in (raw.get("mlp_only_layers") or []) or (i + 1) % step),
             )
         return source.build(
-            **{**fields, "intermediate_size": raw.get("intermediate_size") or 0},
+            **fields,
             rope_theta=theta, rope_scaling=scaling,
             rotary_dim=int(fields["head_dim"] * partial) if partial != 1.0 else None,
             attention_bias=bool(raw.get("attention_bias", False)),
