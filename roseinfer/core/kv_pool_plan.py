@@ -28,6 +28,8 @@ def plan_engine(config: EngineConfig, model_config: ModelConfig) -> None:
     --kv-cache-memory (per rank under tensor parallelism). The pool's memory is committed only
     as blocks are first written."""
     check_tensor_parallel(model_config, config.tensor_parallel_size)
+    if model_config.recurrent is not None:
+        _plan_recurrent(config, model_config)
     if config.dtype == "auto":
         config.dtype = _auto_dtype(config, model_config)
     if config.kv_cache_torch_dtype == torch.int8 and model_config.head_dim % 32:
@@ -109,6 +111,22 @@ def plan_engine(config: EngineConfig, model_config: ModelConfig) -> None:
         )
         length = capacity
     config.max_model_len = length
+
+def _plan_recurrent(config: EngineConfig, model_config: ModelConfig) -> None:
+    """A hybrid model's recurrent layers keep one state per sequence, not per block: a cached
+    prefix's blocks cannot give the state after it (no snapshots at block boundaries yet), and a
+    rejected draft token cannot be taken back out of it (no rollback yet)."""
+    if config.enable_prefix_caching:
+        logger.info("prefix caching is off: %s's recurrent layers (%s) keep no state snapshots at block "
+                    "boundaries yet, so a cached prefix could not be resumed", model_config.architecture,
+                    model_config.recurrent.kind)
+        config.enable_prefix_caching = False
+    if config.speculative_config is not None:
+        raise InvalidRequestError(
+            f"speculative decoding is not supported for {model_config.architecture}: its recurrent layers "
+            f"({model_config.recurrent.kind}) cannot roll back rejected draft tokens yet", "speculative_config",
+        )
+
 
 def _auto_dtype(config: EngineConfig, model_config: ModelConfig) -> str:
     """--dtype auto: bfloat16 on a GPU; on the CPU float32, except that with --quantization auto a

@@ -32,6 +32,7 @@ from roseinfer.layers.attention_backends import (
     PrefillRows,
     select_attention_backend,
 )
+from roseinfer.layers.recurrent import recurrent_state_spec
 from roseinfer.models.fused_decode import fused_decoder_for
 from roseinfer.outputs import TokenLogprob
 from roseinfer.pooling_params import PoolingParams
@@ -39,6 +40,7 @@ from roseinfer.sampling_params import SamplingParams
 from roseinfer.step_timings import PhaseClock, StepTimings
 from roseinfer.worker.fault_injection import fault_token_from_env, raise_if_faulty
 from roseinfer.worker.sampler import Sampler, SamplingBatch
+from roseinfer.worker.recurrent_state import RecurrentStatePools
 from roseinfer.worker.spec_decode import verify_drafts
 
 
@@ -144,6 +146,13 @@ class ModelRunner:
                              config.kv_cache_torch_dtype, self.device)
             for group in self.layer_groups
         ]
+        # A hybrid model's recurrent layers keep state pools (a slot per request) in place of a KV pool.
+        self.recurrent: RecurrentStatePools | None = None
+        if model_config.recurrent is not None:
+            rec = model_config.recurrent
+            self.recurrent = RecurrentStatePools(recurrent_state_spec(rec.kind, rec.params, rec.layers),
+                                                 config.max_num_seqs + 1, self.dtype, self.device)
+            self._place_state_pools()
         self.sampler = Sampler()
         # The engine's one attention backend (--attention-backend, the device, whether the C++
         # kernels built): it builds each step's metadata, which carries it to every layer.
@@ -208,10 +217,17 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         return logits, [state.req_id for state in inputs.sampling]
 
+    def _place_state_pools(self) -> None:
+        """The recurrent layers' entries of `kv_caches`: their state pools (again after they grew)."""
+        for layer, pools in self.recurrent.pools.items():
+            self.kv_caches[layer] = pools
+
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply what the scheduler says changed: finished requests, new ones, new tokens and blocks."""
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.recurrent is not None:
+                self.recurrent.release(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             state = CachedRequestState(new)
             known = self.requests.get(new.req_id)
@@ -290,6 +306,13 @@ class ModelRunner:
             for group_meta in metas:
                 group_meta.long_rope = long_rope_rows
 
+        if self.recurrent is not None:  # each sequence's state slot, in batch order
+            slots_before = self.recurrent.num_slots
+            state_slots = [self.recurrent.slot(state.req_id) for state, _ in decodes + prefills]
+            if self.recurrent.num_slots != slots_before:
+                self._place_state_pools()
+            meta.state_slots = self._tensor(np.asarray(state_slots, dtype=np.int64))
+
         return StepInputs(
             input_ids=self._tensor(np.asarray(ids, dtype=np.int64)),
             positions=self._tensor(np.concatenate(positions)),
@@ -352,8 +375,8 @@ class ModelRunner:
                 continue
             src = torch.tensor([c[0] for c in mine], device=self.device)
             dst = torch.tensor([c[1] for c in mine], device=self.device)
-            for cache, layer_group in zip(self.kv_caches, self.layer_groups, strict=True):
-                if layer_group == group:
+            for layer, (cache, layer_group) in enumerate(zip(self.kv_caches, self.layer_groups, strict=True)):
+                if layer_group == group and not (self.recurrent and layer in self.recurrent.pools):
                     cache[:, dst] = cache[:, src]
 
     # -- sampling -------------------------------------------------------------------------
