@@ -39,8 +39,8 @@ from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.step_timings import PhaseClock, StepTimings
 from roseinfer.worker.fault_injection import fault_token_from_env, raise_if_faulty
-from roseinfer.worker.sampler import Sampler, SamplingBatch
 from roseinfer.worker.recurrent_state import RecurrentStatePools
+from roseinfer.worker.sampler import Sampler, SamplingBatch
 from roseinfer.worker.spec_decode import verify_drafts
 
 
