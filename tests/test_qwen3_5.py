@@ -132,7 +132,8 @@ def test_chunked_prefill_and_preemption(tiny_hybrid, source):
 
 def test_prefix_caching_is_off_and_repeated_prompts_stay_right(tiny_hybrid, caplog):
     """A cached prefix's blocks cannot give a recurrent layer its state: the engine turns prefix
-    caching off (saying why), and a prompt asked again, alone or extended, is answered right."""
+    caching off (saying why), and a prompt asked again, alone, extended or with n > 1, is answered
+    right."""
     with caplog.at_level(logging.INFO, logger="roseinfer"):
         llm = LLM(str(tiny_hybrid.hf_dir), dtype="float32", enable_prefix_caching=True, **EXACT)
     assert "prefix caching is off" in caplog.text
@@ -141,6 +142,10 @@ def test_prefix_caching_is_off_and_repeated_prompts_stay_right(tiny_hybrid, capl
     assert _greedy(llm, [long_prompt]) == [expected]
     extended = long_prompt + expected[:4]
     assert _greedy(llm, [extended])[0][: TOKENS - 4] == expected[4:]
+    # n > 1: each sequence computes the prompt itself (the first one's state is not in its blocks).
+    params = SamplingParams(temperature=0.0, n=2, max_tokens=TOKENS, ignore_eos=True)
+    group = llm.generate(prompt_token_ids=[long_prompt], sampling_params=params, use_tqdm=False)[0]
+    assert [list(sequence.token_ids) for sequence in group.outputs] == [expected, expected]
 
 
 def test_speculative_decoding_is_refused(tiny_hybrid):

@@ -62,7 +62,7 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(config, model_config)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.structured_output_manager,
-            config.speculative_config,
+            config.speculative_config, fork_prompts=model_config.recurrent is None,
         )
         self.long_rope_from = model_config.long_rope_from
         self.dead_reason: str | None = None  # set when the executor failed: no step can run again

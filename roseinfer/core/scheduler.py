@@ -44,8 +44,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         structured_output_manager: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        fork_prompts: bool = True,
     ) -> None:
         self.kv_cache = kv_cache
+        # n > 1: whether a group's other sequences share the first one's computed prompt. Not for a
+        # model with recurrent layers: their state after the prompt is not in the shared blocks.
+        self.fork_prompts = fork_prompts
         self.structured_output = structured_output_manager
         self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
         self.max_num_seqs = max_num_seqs
@@ -77,7 +81,8 @@ class Scheduler:
         if constrained:
             self.structured_output.add_request(request)
         parent = self.requests.get(request.fork_of) if request.fork_of is not None else None
-        if parent is not None and parent.status == RequestStatus.WAITING and not parent.num_computed_tokens:
+        if (self.fork_prompts and parent is not None and parent.status == RequestStatus.WAITING
+                and not parent.num_computed_tokens):
             self._awaiting_fork.setdefault(parent.request_id, []).append(request)
         else:
             self.waiting.append(request)
