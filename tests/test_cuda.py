@@ -136,6 +136,32 @@ def test_bfloat16_greedy_follows_transformers_until_a_near_tie(tiny_llama, bfloa
     assert agreed >= len(prompts), f"only {agreed} tokens agreed over {len(prompts)} prompts"
 
 
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def tiny_hybrid_cuda(request, tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Qwen3.5 (Gated DeltaNet and gated attention layers; the MoE variant too), its
+    Hugging Face directory and transformers' float32 model of it on the GPU."""
+    from test_qwen3_5 import TinyHybrid
+
+    built = TinyHybrid(request.param, tmp_path_factory.mktemp("cuda-hybrid"), gguf=False)
+    built.reference.to(CUDA)
+    return built
+
+
+def test_hybrid_float32_logits_and_greedy_match_transformers(tiny_hybrid_cuda):
+    """The Gated DeltaNet layers in PyTorch on the GPU: chunked prefill (a prompt past one 64-token
+    block, in chunks of 40 beside other requests' decodes) and the recurrent decode step give
+    transformers' logits and greedy tokens."""
+    built = tiny_hybrid_cuda
+    llm = LLM(str(built.hf_dir), **EXACT)
+    state = next(iter(llm.engine.runner.recurrent.pools.values()))
+    assert all(tensor.is_cuda for tensor in state)
+    outputs = llm.generate(prompt_token_ids=built.prompts, use_tqdm=False, sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=len(built.expected[0]), ignore_eos=True))
+    assert [list(output.outputs[0].token_ids) for output in outputs] == built.expected
+    worst = compare_logits_step_by_step(llm.engine, on_gpu(built.reference), built.prompts, 3)
+    assert worst < TOLERANCE, f"max |logit difference| {worst}"
+
+
 @pytest.fixture(scope="module", params=["tiny-llama", "default-model"])
 def cuda_server(request, tiny_llama) -> Iterator[ServerProcess]:
     """`roseinfer serve --device cuda` as users run it (dtype auto: bfloat16 on a GPU), on the tiny

@@ -56,7 +56,7 @@ def _model(kind: str, vocab: int):
 class TinyHybrid:
     """A tiny random model of one family: transformers' model, its HF directory and GGUF file."""
 
-    def __init__(self, kind: str, root: Path) -> None:
+    def __init__(self, kind: str, root: Path, gguf: bool = True) -> None:
         self.hf_dir = root / kind
         vocab = write_default_tokenizer(self.hf_dir)
         torch.manual_seed(0)
@@ -66,7 +66,7 @@ class TinyHybrid:
                 if name.endswith("norm.weight"):
                     param.normal_(0.0, 0.3)
         self.reference.save_pretrained(self.hf_dir)
-        self.gguf = self._convert(root, kind)
+        self.gguf = self._convert(root, kind) if gguf else None
         generator = torch.Generator().manual_seed(1)
         self.prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
         self.expected = [self._greedy(prompt) for prompt in self.prompts]
