@@ -17,6 +17,7 @@ from roseinfer.config import GIB, EngineConfig, ModelConfig
 from roseinfer.distributed.partition import check_tensor_parallel
 from roseinfer.errors import InvalidRequestError
 from roseinfer.layers.cpu_kernels import cpu_has_bfloat16_dot_products
+from roseinfer.layers.recurrent import recurrent_state_spec
 
 logger = logging.getLogger("roseinfer")
 
@@ -65,7 +66,10 @@ def plan_engine(config: EngineConfig, model_config: ModelConfig) -> None:
             "num_kv_blocks_sliding applies to a model with both full-attention and sliding-window layers; "
             f"{model_config.architecture}'s layers are all one kind (use num_kv_blocks)", "num_kv_blocks_sliding",
         )
-    full_block = model_config.kv_block_bytes(config.block_size, kv_dtype, config.tensor_parallel_size, groups.count(0))
+    # (a hybrid model's recurrent layers keep no KV blocks: their state is a slot per sequence)
+    recurrent_layers = len(model_config.recurrent.layers) if model_config.recurrent is not None else 0
+    full_block = model_config.kv_block_bytes(config.block_size, kv_dtype, config.tensor_parallel_size,
+                                             groups.count(0) - recurrent_layers)
     sliding_block = model_config.kv_block_bytes(config.block_size, kv_dtype, config.tensor_parallel_size,
                                                 len(groups) - groups.count(0))
     usable = config.max_num_seqs * -(-held // config.block_size)
@@ -121,6 +125,11 @@ def _plan_recurrent(config: EngineConfig, model_config: ModelConfig) -> None:
                     "boundaries yet, so a cached prefix could not be resumed", model_config.architecture,
                     model_config.recurrent.kind)
         config.enable_prefix_caching = False
+    rec = model_config.recurrent
+    per_sequence = recurrent_state_spec(rec.kind, rec.params, rec.layers).slot_bytes(config.torch_dtype)
+    logger.info("recurrent state: %.1f MiB per sequence (%d %s layers), up to %.0f MiB for %d sequences",
+                per_sequence / 2**20, len(rec.layers), rec.kind, per_sequence * (config.max_num_seqs + 1) / 2**20,
+                config.max_num_seqs)
     if config.speculative_config is not None:
         raise InvalidRequestError(
             f"speculative decoding is not supported for {model_config.architecture}: its recurrent layers "

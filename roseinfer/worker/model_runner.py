@@ -151,7 +151,7 @@ class ModelRunner:
         if model_config.recurrent is not None:
             rec = model_config.recurrent
             self.recurrent = RecurrentStatePools(recurrent_state_spec(rec.kind, rec.params, rec.layers),
-                                                 config.max_num_seqs + 1, self.dtype, self.device)
+                                                 config.max_num_seqs + 1, self.dtype, self.device, zeroed_untouched)
             self._place_state_pools()
         self.sampler = Sampler()
         # The engine's one attention backend (--attention-backend, the device, whether the C++

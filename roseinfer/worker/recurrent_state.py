@@ -15,15 +15,22 @@ still knows (running or preempted) outnumber the slots.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from roseinfer.layers.recurrent import RecurrentStateSpec
 
 
 class RecurrentStatePools:
-    def __init__(self, spec: RecurrentStateSpec, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.spec, self.dtype, self.device = spec, dtype, device
-        self.pools = {layer: spec.allocate(num_slots, dtype, device) for layer in spec.layers}
+    def __init__(
+        self, spec: RecurrentStateSpec, num_slots: int, dtype: torch.dtype, device: torch.device,
+        zeros: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
+        """`zeros(shape, dtype, device)`: how a pool is made (the runner's commits memory only where
+        a slot is written)."""
+        self.spec, self.dtype, self.device, self.zeros = spec, dtype, device, zeros
+        self.pools = {layer: spec.allocate(num_slots, dtype, device, zeros) for layer in spec.layers}
         self.free = list(range(num_slots - 1, -1, -1))
         self.slots: dict[str, int] = {}
 
@@ -48,6 +55,6 @@ class RecurrentStatePools:
     def _grow(self) -> None:
         old = self.num_slots
         for layer, tensors in self.pools.items():
-            more = self.spec.allocate(old, self.dtype, self.device)
+            more = self.spec.allocate(old, self.dtype, self.device, self.zeros)
             self.pools[layer] = tuple(torch.cat([have, extra]) for have, extra in zip(tensors, more, strict=True))
         self.free = list(range(2 * old - 1, old - 1, -1))

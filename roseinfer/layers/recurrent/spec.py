@@ -8,6 +8,7 @@ layer from this, without knowing the recurrence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,9 +48,11 @@ class RecurrentStateSpec:
         """Bytes one sequence's slot takes across all the group's layers."""
         return len(self.layers) * sum(tensor.bytes(activations) for tensor in self.tensors)
 
-    def allocate(self, num_slots: int, activations: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """One layer's state pool: a zeroed `[num_slots, *shape]` tensor per state tensor."""
-        return tuple(
-            torch.zeros((num_slots, *tensor.shape), dtype=tensor.torch_dtype(activations), device=device)
-            for tensor in self.tensors
-        )
+    def allocate(
+        self, num_slots: int, activations: torch.dtype, device: torch.device, zeros: Callable[..., torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """One layer's state pool: a zeroed `[num_slots, *shape]` tensor per state tensor (made by
+        `zeros(shape, dtype, device)`, e.g. one whose pages are committed only when written)."""
+        zeros = zeros or (lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
+        return tuple(zeros((num_slots, *tensor.shape), tensor.torch_dtype(activations), device)
+                     for tensor in self.tensors)
