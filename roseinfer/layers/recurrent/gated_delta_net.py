@@ -28,6 +28,7 @@ from torch import nn
 from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.errors import ModelLoadError
 from roseinfer.layers.attention import AttentionMetadata
+from roseinfer.layers.recurrent.conv import conv_decode, conv_prefill
 from roseinfer.layers.recurrent.spec import StateTensorSpec
 
 CHUNK = 64
@@ -193,11 +194,7 @@ class GatedDeltaNet(nn.Module):
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
         conv_pool: torch.Tensor, recurrent_pool: torch.Tensor, out: torch.Tensor,
     ) -> None:
-        conv_state = conv_pool.index_select(0, slots)
-        conv_state = conv_state.masked_fill(fresh[:, None, None], 0)
-        window = torch.cat([conv_state, mixed[:, None].to(conv_state.dtype)], dim=1)  # [N, kernel, conv_dim]
-        conv_pool.index_copy_(0, slots, window[:, 1:])
-        convolved = F.silu((window * self.conv_weight.t().to(window.dtype)).sum(1))
+        convolved = F.silu(conv_decode(mixed, self.conv_weight, None, conv_pool, slots, fresh))
         q, k, v = self._heads(convolved)
         state = recurrent_pool.index_select(0, slots).masked_fill(fresh[:, None, None, None], 0)
         out[:], state = recurrent_gated_delta_step(q, k, v, g, beta, state)
@@ -207,30 +204,19 @@ class GatedDeltaNet(nn.Module):
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor, meta: AttentionMetadata,
         conv_pool: torch.Tensor, recurrent_pool: torch.Tensor, out: torch.Tensor,
     ) -> None:
-        p = self.params
-        chunks = meta.prefills
-        count, width = len(chunks), p.conv_kernel - 1
-        longest = max(chunk.query_len for chunk in chunks)
-        padded_len = -(-longest // CHUNK) * CHUNK
-        device = mixed.device
-        # Each chunk's rows after its conv state (zeros for a first chunk), padded to the longest.
-        continuing = torch.tensor([chunk.num_cached > 0 for chunk in chunks], device=device)
-        inputs = mixed.new_zeros(count, width + longest, p.conv_dim)
-        inputs[:, :width] = conv_pool.index_select(0, slots).masked_fill(~continuing[:, None, None], 0)
-        gates = g.new_zeros(count, padded_len, p.num_v_heads)
-        betas = beta.new_zeros(count, padded_len, p.num_v_heads)  # 0: padding does not write
+        p, chunks = self.params, meta.prefills
+        convolved = F.silu(conv_prefill(mixed, self.conv_weight, None, conv_pool, slots, chunks))
+        # Padded to whole blocks: padding rows have beta 0 and g 0, so they write nothing.
+        padded_len = -(-convolved.shape[1] // CHUNK) * CHUNK
+        convolved = F.pad(convolved, (0, 0, 0, padded_len - convolved.shape[1]))
+        gates = g.new_zeros(len(chunks), padded_len, p.num_v_heads)
+        betas = beta.new_zeros(len(chunks), padded_len, p.num_v_heads)
         for row, chunk in enumerate(chunks):
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            inputs[row, width:width + chunk.query_len] = mixed[rows]
             gates[row, : chunk.query_len] = g[rows]
             betas[row, : chunk.query_len] = beta[rows]
-        ends = torch.tensor([chunk.query_len for chunk in chunks], device=device)
-        last = ends[:, None] + torch.arange(width, device=device)  # each chunk's last `width` inputs
-        conv_pool.index_copy_(0, slots, inputs.gather(1, last[..., None].expand(-1, -1, p.conv_dim)))
-        convolved = F.silu(F.conv1d(inputs.transpose(1, 2), self.conv_weight[:, None, :].to(inputs.dtype),
-                                    groups=p.conv_dim)).transpose(1, 2)  # [count, longest, conv_dim]
-        convolved = F.pad(convolved, (0, 0, 0, padded_len - longest))
         q, k, v = (x.transpose(1, 2) for x in self._heads(convolved))  # [count, heads, len, dim]
+        continuing = torch.tensor([chunk.num_cached > 0 for chunk in chunks], device=mixed.device)
         state = recurrent_pool.index_select(0, slots).masked_fill(~continuing[:, None, None, None], 0)
         result, state = chunked_gated_delta_rule(q, k, v, gates.transpose(1, 2), betas.transpose(1, 2), state)
         recurrent_pool.index_copy_(0, slots, state)
