@@ -140,7 +140,7 @@ def test_bfloat16_greedy_follows_transformers_until_a_near_tie(tiny_llama, bfloa
 def tiny_hybrid_cuda(request, tmp_path_factory: pytest.TempPathFactory):
     """A tiny random Qwen3.5 (Gated DeltaNet and gated attention layers; the MoE variant too), its
     Hugging Face directory and transformers' float32 model of it on the GPU."""
-    from test_qwen3_5 import TinyHybrid
+    from test_hybrid_models import TinyHybrid
 
     built = TinyHybrid(request.param, tmp_path_factory.mktemp("cuda-hybrid"), gguf=False)
     built.reference.to(CUDA)

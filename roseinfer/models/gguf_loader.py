@@ -93,9 +93,9 @@ def gguf_weights(
             tensor = gguf.load_tensor(name) if expand else gguf.tensor(name)
             yield from _expert_slices(tensor, gguf.tensor_shape(name), parts[1], expert_tensors[parts[2]])
             continue
-        if parts[0] == "blk" and len(parts) == 3 and parts[2] in per_layer:
-            hf_name = f"{layer_prefix}.{parts[1]}.{per_layer[parts[2]]}" + (f".{suffix}" if suffix else "")
-            module = parts[2]
+        module = ".".join(parts[2:])  # a layer's tensor: attn_q, or shortconv.in_proj (LFM2)
+        if parts[0] == "blk" and len(parts) >= 3 and module in per_layer:
+            hf_name = f"{layer_prefix}.{parts[1]}.{per_layer[module]}" + (f".{suffix}" if suffix else "")
         elif stem in global_names:
             hf_name, module = f"{global_names[stem]}.{suffix}", stem
         else:

@@ -245,7 +245,8 @@ class LlamaForCausalLM(nn.Module):
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up into their shared matrices
         and putting q/k rows (and q/k norms) in the interleaved rotary layout; with tensor
         parallelism, only this rank's slice of each."""
-        attn = self.model.layers[0].self_attn
+        # (the first attention layer's sizes: a hybrid model's first layer may be recurrent, LFM2's)
+        attn = next(layer.self_attn for layer in self.model.layers if hasattr(layer, "self_attn"))
         mlp = self.model.layers[0].mlp
         tp_slices = {  # HF module name -> (dim, start, size) of this rank's part
             "q_proj": (0, attn.q_start, attn.q_size),

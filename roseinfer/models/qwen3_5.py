@@ -147,6 +147,9 @@ class Qwen35ForCausalLM(nn.Module):
         "ssm_dt": "linear_attn.dt",  # .bias: dt_bias
         "ssm_norm": "linear_attn.norm",
         "ssm_out": "linear_attn.out_proj",
+        # A file's MTP layers (blocks past the model's own): read, then skipped (_text_weights).
+        **{f"nextn.{name}": f"nextn.{name}" for name in (
+            "eh_proj", "embed_tokens", "enorm", "hnorm", "shared_head_head", "shared_head_norm")},
     }
     gguf_global_names: ClassVar[dict[str, str]] = LLAMA_GGUF_GLOBAL_NAMES
     gguf_expert_tensors: ClassVar[dict[str, tuple[str, ...]]] = MoeForCausalLM.gguf_expert_tensors

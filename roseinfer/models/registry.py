@@ -16,6 +16,7 @@ from roseinfer.layers.parallel import VocabParallelEmbedding
 from roseinfer.layers.rotary import RotaryEmbedding
 from roseinfer.models.gemma import GemmaForCausalLM
 from roseinfer.models.gpt2 import GPT2LMHeadModel
+from roseinfer.models.lfm2 import Lfm2ForCausalLM
 from roseinfer.models.llama import LlamaForCausalLM
 from roseinfer.models.moe import MoeForCausalLM
 from roseinfer.models.phi3 import Phi3ForCausalLM
@@ -29,6 +30,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "phi3": Phi3ForCausalLM,
     "moe": MoeForCausalLM,
     "qwen3_5": Qwen35ForCausalLM,  # and Qwen3.5-MoE, Qwen3-Next
+    "lfm2": Lfm2ForCausalLM,
 }
 
 

@@ -1,10 +1,11 @@
-"""Hybrid models with Gated DeltaNet layers (models/qwen3_5.py, layers/recurrent/): tiny random
-Qwen3.5, Qwen3.5-MoE and Qwen3-Next built by transformers' own classes, saved as Hugging Face
-directories and converted to GGUF by llama.cpp's own converter. roseinfer's greedy tokens equal
-transformers' and its logits (teacher forced) are within float32 tolerance, from both files, over
-batches of prompts of different lengths (one longer than a 64-token delta-rule block), with
-chunked prefill and with preemption; prefix caching is off for these models and speculative
-decoding refused. The chunked delta rule against its token-by-token recurrence."""
+"""Hybrid models with recurrent layers (layers/recurrent/): tiny random Qwen3.5, Qwen3.5-MoE and
+Qwen3-Next (Gated DeltaNet, models/qwen3_5.py) and LFM2 (short convolutions, models/lfm2.py),
+built by transformers' own classes, saved as Hugging Face directories and converted to GGUF by
+llama.cpp's own converter. roseinfer's greedy tokens equal transformers' and its logits (teacher
+forced) are within float32 tolerance, from both files, over batches of prompts of different
+lengths (one longer than a 64-token delta-rule block), with chunked prefill and with preemption;
+prefix caching is off for these models, n > 1 right, speculative decoding refused. The chunked
+delta rule against its token-by-token recurrence; the state pools."""
 
 from __future__ import annotations
 
@@ -20,20 +21,21 @@ from support import EXACT, compare_logits_step_by_step
 
 from roseinfer import LLM, SamplingParams
 from roseinfer.errors import InvalidRequestError
-from roseinfer.layers.recurrent import RecurrentStateSpec, StateTensorSpec
+from roseinfer.layers.recurrent import RECURRENCES, RecurrentStateSpec, StateTensorSpec
 from roseinfer.layers.recurrent.gated_delta_net import (
     CHUNK,
     GatedDeltaNet,
     chunked_gated_delta_rule,
     recurrent_gated_delta_step,
 )
+from roseinfer.layers.recurrent.short_conv import ShortConv
 from roseinfer.worker.recurrent_state import RecurrentStatePools
 
 TOKENS = 12
 TOLERANCE = 1e-3  # float32 logits
 # A one-token prompt (decoded from its first step), short ones, and one past two delta-rule blocks.
 PROMPT_LENGTHS = (1, 7, 150, 70)
-KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2")
 
 
 def _model(kind: str, vocab: int):
@@ -46,6 +48,11 @@ def _model(kind: str, vocab: int):
         tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, initializer_range=0.1,
     )
     experts = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2)
+    if kind == "lfm2":  # three short-convolution layers, one attention layer
+        config = {key: value for key, value in common.items() if not key.startswith(("linear_", "head_dim", "rms"))}
+        return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+            **config, intermediate_size=192, norm_eps=1e-5, conv_L_cache=3, block_multiple_of=16, pad_token_id=0,
+            layer_types=["conv", "conv", "full_attention", "conv"]))
     if kind == "qwen3_5":
         return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(intermediate_size=96, **common))
     if kind == "qwen3_5_moe":
@@ -57,14 +64,14 @@ class TinyHybrid:
     """A tiny random model of one family: transformers' model, its HF directory and GGUF file."""
 
     def __init__(self, kind: str, root: Path, gguf: bool = True) -> None:
-        self.hf_dir = root / kind
+        self.kind, self.hf_dir = kind, root / kind
         vocab = write_default_tokenizer(self.hf_dir)
         torch.manual_seed(0)
         self.reference = _model(kind, vocab).eval()
-        with torch.no_grad():  # norms away from their initial zeros: the 1 + w offsets are checked
+        with torch.no_grad():  # norms away from their initial values (Qwen's 1 + w offsets are checked)
             for name, param in self.reference.named_parameters():
                 if name.endswith("norm.weight"):
-                    param.normal_(0.0, 0.3)
+                    param.normal_(1.0 if kind == "lfm2" else 0.0, 0.3)
         self.reference.save_pretrained(self.hf_dir)
         self.gguf = self._convert(root, kind) if gguf else None
         generator = torch.Generator().manual_seed(1)
@@ -82,8 +89,9 @@ class TinyHybrid:
             shutil.copytree(self.hf_dir, source)
             config = json.loads((source / "config.json").read_text())
             (source / "config.json").write_text(json.dumps({**config, "model_type": "tiny_" + config["model_type"]}))
-        # The models transformers builds have no MTP layers: the converter must not look for them.
-        return convert_hf_to_gguf(source, root / f"{kind}.gguf", "f32", "--no-mtp")
+        # The Qwen models transformers builds have no MTP layers: the converter must not look for them.
+        options = () if kind == "lfm2" else ("--no-mtp",)
+        return convert_hf_to_gguf(source, root / f"{kind}.gguf", "f32", *options)
 
     @torch.no_grad()
     def _greedy(self, prompt: list[int]) -> list[int]:
@@ -113,7 +121,8 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_greedy_tokens_and_logits_match_transformers(tiny_hybrid, source):
     path = tiny_hybrid.hf_dir if source == "hf" else tiny_hybrid.gguf
     llm = LLM(str(path), dtype="float32", **EXACT)
-    assert sum(isinstance(m, GatedDeltaNet) for m in llm.engine.runner.model.modules()) == 3
+    recurrent = [m for m in llm.engine.runner.model.modules() if type(m) in RECURRENCES.values()]
+    assert len(recurrent) == 3 and isinstance(recurrent[0], ShortConv if tiny_hybrid.kind == "lfm2" else GatedDeltaNet)
     assert _greedy(llm, tiny_hybrid.prompts) == tiny_hybrid.expected
     worst = compare_logits_step_by_step(llm.engine, tiny_hybrid.reference, tiny_hybrid.prompts, 2)
     assert worst < TOLERANCE, f"max |logit difference| {worst}"
@@ -149,7 +158,7 @@ def test_prefix_caching_is_off_and_repeated_prompts_stay_right(tiny_hybrid, capl
 
 
 def test_speculative_decoding_is_refused(tiny_hybrid):
-    if tiny_hybrid is not _BUILT[KINDS[0]]:
+    if tiny_hybrid.kind != KINDS[0]:
         pytest.skip("one family is enough")
     with pytest.raises(InvalidRequestError, match="roll back"):
         LLM(str(tiny_hybrid.hf_dir), **EXACT, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
