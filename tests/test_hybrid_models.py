@@ -164,6 +164,30 @@ def test_speculative_decoding_is_refused(tiny_hybrid):
         LLM(str(tiny_hybrid.hf_dir), **EXACT, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
+def test_a_multimodal_checkpoint_runs_its_language_model(tmp_path):
+    """Qwen3.5 as published (Qwen3_5ForConditionalGeneration: the text config nested, the language
+    model's tensors under model.language_model., a vision tower beside it): the text model runs."""
+    import transformers
+
+    vocab = write_default_tokenizer(tmp_path)
+    text = _model("qwen3_5", vocab).config.to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                  num_position_embeddings=16)
+    torch.manual_seed(0)
+    reference = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    reference.save_pretrained(tmp_path)
+    prompt = torch.randint(3, vocab, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(4):
+            ids = torch.cat([ids, reference(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    output = LLM(str(tmp_path), dtype="float32", **EXACT).generate(
+        prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == ids[0, len(prompt):].tolist()
+
+
 def test_chunked_delta_rule_equals_the_token_by_token_recurrence():
     """Blocks of 64 (with padding past the end, and from a non-zero state) against one token at a
     time, outputs and final state."""
