@@ -113,6 +113,9 @@ class ModelConfig:
     name: str = ""
     moe: MoeConfig | None = None  # architecture "moe" (and Qwen3.5-MoE, Qwen3-Next)
     recurrent: RecurrentConfig | None = None  # hybrid models (Qwen3.5, Qwen3-Next): their recurrent layers
+    # Settings only one family reads (Granite 4's multipliers), written and read by its model file,
+    # so that a family's oddities do not become fields here.
+    family_options: dict[str, Any] = field(default_factory=dict)
     qk_norm_full: bool = False  # OLMoE: one RMSNorm over all heads of q (and of k), not per head
     # The dtype a Hugging Face checkpoint's weights are stored in ("bfloat16", "float32", ...), which
     # --dtype auto follows on the CPU where it runs fast; None for GGUF files (float32 activations).

@@ -16,6 +16,7 @@ from roseinfer.layers.parallel import VocabParallelEmbedding
 from roseinfer.layers.rotary import RotaryEmbedding
 from roseinfer.models.gemma import GemmaForCausalLM
 from roseinfer.models.gpt2 import GPT2LMHeadModel
+from roseinfer.models.granite_hybrid import GraniteHybridForCausalLM
 from roseinfer.models.lfm2 import Lfm2ForCausalLM
 from roseinfer.models.llama import LlamaForCausalLM
 from roseinfer.models.moe import MoeForCausalLM
@@ -31,6 +32,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "moe": MoeForCausalLM,
     "qwen3_5": Qwen35ForCausalLM,  # and Qwen3.5-MoE, Qwen3-Next
     "lfm2": Lfm2ForCausalLM,
+    "granite_hybrid": GraniteHybridForCausalLM,  # Granite 4
 }
 
 
