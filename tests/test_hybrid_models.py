@@ -1,11 +1,12 @@
 """Hybrid models with recurrent layers (layers/recurrent/): tiny random Qwen3.5, Qwen3.5-MoE and
-Qwen3-Next (Gated DeltaNet, models/qwen3_5.py) and LFM2 (short convolutions, models/lfm2.py),
-built by transformers' own classes, saved as Hugging Face directories and converted to GGUF by
-llama.cpp's own converter. roseinfer's greedy tokens equal transformers' and its logits (teacher
-forced) are within float32 tolerance, from both files, over batches of prompts of different
-lengths (one longer than a 64-token delta-rule block), with chunked prefill and with preemption;
-prefix caching is off for these models, n > 1 right, speculative decoding refused. The chunked
-delta rule against its token-by-token recurrence; the state pools."""
+Qwen3-Next (Gated DeltaNet, models/qwen3_5.py), LFM2 (short convolutions, models/lfm2.py) and
+Granite 4 (Mamba2, models/granite_hybrid.py), built by transformers' own classes, saved as Hugging
+Face directories and converted to GGUF by llama.cpp's own converter. roseinfer's greedy tokens
+equal transformers' and its logits (teacher forced) are within float32 tolerance, from both files,
+over batches of prompts of different lengths (one longer than a 64-token block of the chunked
+prefill), with chunked prefill and with preemption; prefix caching is off for these models, n > 1
+right, speculative decoding refused. The chunked delta rule against its token-by-token recurrence;
+the state pools."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from roseinfer.layers.recurrent.gated_delta_net import (
     chunked_gated_delta_rule,
     recurrent_gated_delta_step,
 )
+from roseinfer.layers.recurrent.mamba2 import Mamba2Mixer
 from roseinfer.layers.recurrent.short_conv import ShortConv
 from roseinfer.worker.recurrent_state import RecurrentStatePools
 
@@ -35,7 +37,7 @@ TOKENS = 12
 TOLERANCE = 1e-3  # float32 logits
 # A one-token prompt (decoded from its first step), short ones, and one past two delta-rule blocks.
 PROMPT_LENGTHS = (1, 7, 150, 70)
-KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2")
+KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granite")
 
 
 def _model(kind: str, vocab: int):
@@ -53,6 +55,15 @@ def _model(kind: str, vocab: int):
         return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
             **config, intermediate_size=192, norm_eps=1e-5, conv_L_cache=3, block_multiple_of=16, pad_token_id=0,
             layer_types=["conv", "conv", "full_attention", "conv"]))
+    if kind == "granite":  # Granite 4: three Mamba2 layers, one attention layer (no rotary, as Granite 4's
+        # hybrids), experts and a shared MLP, every multiplier away from 1
+        return transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+            num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+            mamba_d_head=16, mamba_expand=2, mamba_d_conv=4, layer_types=["mamba", "mamba", "attention", "mamba"],
+            embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0,
+            eos_token_id=0, bos_token_id=0, pad_token_id=0, initializer_range=0.1, tie_word_embeddings=False))
     if kind == "qwen3_5":
         return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(intermediate_size=96, **common))
     if kind == "qwen3_5_moe":
@@ -71,7 +82,9 @@ class TinyHybrid:
         with torch.no_grad():  # norms away from their initial values (Qwen's 1 + w offsets are checked)
             for name, param in self.reference.named_parameters():
                 if name.endswith("norm.weight"):
-                    param.normal_(1.0 if kind == "lfm2" else 0.0, 0.3)
+                    param.normal_(0.0 if kind.startswith("qwen") else 1.0, 0.3)
+                elif name.endswith(".D"):  # Mamba2's skip
+                    param.normal_(1.0, 0.3)
         self.reference.save_pretrained(self.hf_dir)
         self.gguf = self._convert(root, kind) if gguf else None
         generator = torch.Generator().manual_seed(1)
@@ -80,6 +93,14 @@ class TinyHybrid:
 
     def _convert(self, root: Path, kind: str) -> Path:
         source = self.hf_dir
+        if kind == "granite":
+            # transformers 5 writes Granite's layer types as linear_attention / full_attention; the
+            # converter reads the published configs' spelling, mamba / attention.
+            source = root / f"{kind}-for-converter"
+            shutil.copytree(self.hf_dir, source)
+            config = json.loads((source / "config.json").read_text())
+            config["layer_types"] = ["mamba" if layer == "linear_attention" else "attention" for layer in config["layer_types"]]
+            (source / "config.json").write_text(json.dumps(config))
         if kind == "qwen3_5_moe":
             # transformers 5 gives a qwen3_5_moe_text directory Qwen's own tokenizer class whatever
             # tokenizer_config.json says, which the converter then fails to recognise (the files are
@@ -90,7 +111,7 @@ class TinyHybrid:
             config = json.loads((source / "config.json").read_text())
             (source / "config.json").write_text(json.dumps({**config, "model_type": "tiny_" + config["model_type"]}))
         # The Qwen models transformers builds have no MTP layers: the converter must not look for them.
-        options = () if kind == "lfm2" else ("--no-mtp",)
+        options = ("--no-mtp",) if kind.startswith("qwen") else ()
         return convert_hf_to_gguf(source, root / f"{kind}.gguf", "f32", *options)
 
     @torch.no_grad()
@@ -122,7 +143,8 @@ def test_greedy_tokens_and_logits_match_transformers(tiny_hybrid, source):
     path = tiny_hybrid.hf_dir if source == "hf" else tiny_hybrid.gguf
     llm = LLM(str(path), dtype="float32", **EXACT)
     recurrent = [m for m in llm.engine.runner.model.modules() if type(m) in RECURRENCES.values()]
-    assert len(recurrent) == 3 and isinstance(recurrent[0], ShortConv if tiny_hybrid.kind == "lfm2" else GatedDeltaNet)
+    kind = {"lfm2": ShortConv, "granite": Mamba2Mixer}.get(tiny_hybrid.kind, GatedDeltaNet)
+    assert len(recurrent) == 3 and all(isinstance(layer, kind) for layer in recurrent)
     assert _greedy(llm, tiny_hybrid.prompts) == tiny_hybrid.expected
     worst = compare_logits_step_by_step(llm.engine, tiny_hybrid.reference, tiny_hybrid.prompts, 2)
     assert worst < TOLERANCE, f"max |logit difference| {worst}"
