@@ -180,11 +180,13 @@ def test_prefix_caching_is_off_and_repeated_prompts_stay_right(tiny_hybrid, capl
     assert [list(sequence.token_ids) for sequence in group.outputs] == [expected, expected]
 
 
-def test_speculative_decoding_is_refused(tiny_hybrid):
+def test_speculative_decoding_and_tensor_parallelism_are_refused(tiny_hybrid):
     if tiny_hybrid.kind != KINDS[0]:
         pytest.skip("one family is enough")
     with pytest.raises(InvalidRequestError, match="roll back"):
         LLM(str(tiny_hybrid.hf_dir), **EXACT, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(InvalidRequestError, match="tensor parallelism"):
+        LLM(str(tiny_hybrid.hf_dir), **EXACT, tensor_parallel_size=2)
 
 
 def test_a_multimodal_checkpoint_runs_its_language_model(tmp_path):

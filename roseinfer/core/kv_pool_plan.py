@@ -119,7 +119,8 @@ def plan_engine(config: EngineConfig, model_config: ModelConfig) -> None:
 def _plan_recurrent(config: EngineConfig, model_config: ModelConfig) -> None:
     """A hybrid model's recurrent layers keep one state per sequence, not per block: a cached
     prefix's blocks cannot give the state after it (no snapshots at block boundaries yet), and a
-    rejected draft token cannot be taken back out of it (no rollback yet)."""
+    rejected draft token cannot be taken back out of it (no rollback yet); their layers are not cut
+    across ranks yet."""
     if config.enable_prefix_caching:
         logger.info("prefix caching is off: %s's recurrent layers (%s) keep no state snapshots at block "
                     "boundaries yet, so a cached prefix could not be resumed", model_config.architecture,
@@ -130,6 +131,11 @@ def _plan_recurrent(config: EngineConfig, model_config: ModelConfig) -> None:
     logger.info("recurrent state: %.1f MiB per sequence (%d %s layers), up to %.0f MiB for %d sequences",
                 per_sequence / 2**20, len(rec.layers), rec.kind, per_sequence * (config.max_num_seqs + 1) / 2**20,
                 config.max_num_seqs)
+    if config.tensor_parallel_size > 1:
+        raise InvalidRequestError(
+            f"tensor parallelism is not supported for {model_config.architecture}: its recurrent layers "
+            f"({model_config.recurrent.kind}) run on one rank only yet", "tensor_parallel_size",
+        )
     if config.speculative_config is not None:
         raise InvalidRequestError(
             f"speculative decoding is not supported for {model_config.architecture}: its recurrent layers "
