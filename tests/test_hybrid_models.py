@@ -5,7 +5,7 @@ Face directories and converted to GGUF by llama.cpp's own converter. roseinfer's
 equal transformers' and its logits (teacher forced) are within float32 tolerance, from both files,
 over batches of prompts of different lengths (one longer than a 64-token block of the chunked
 prefill), with chunked prefill and with preemption; prefix caching is off for these models, n > 1
-right, speculative decoding refused. The chunked delta rule against its token-by-token recurrence;
+right, speculative decoding and tensor parallelism refused, a failed step's requests ended. The chunked delta rule against its token-by-token recurrence;
 the state pools."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_core_support import make_core, request
 from hf_to_gguf import convert_hf_to_gguf, write_default_tokenizer
 from support import EXACT, compare_logits_step_by_step
 
@@ -31,6 +32,7 @@ from roseinfer.layers.recurrent.gated_delta_net import (
 )
 from roseinfer.layers.recurrent.mamba2 import Mamba2Mixer
 from roseinfer.layers.recurrent.short_conv import ShortConv
+from roseinfer.worker.fault_injection import FAULT_TOKEN_ENV
 from roseinfer.worker.recurrent_state import RecurrentStatePools
 
 TOKENS = 12
@@ -187,6 +189,26 @@ def test_speculative_decoding_and_tensor_parallelism_are_refused(tiny_hybrid):
         LLM(str(tiny_hybrid.hf_dir), **EXACT, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(InvalidRequestError, match="tensor parallelism"):
         LLM(str(tiny_hybrid.hf_dir), **EXACT, tensor_parallel_size=2)
+
+
+def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(tiny_hybrid, monkeypatch):
+    """A step that fails is not run again in parts on a hybrid model (its recurrent states may
+    already have moved on): the step's requests end with an error, and the next requests are exact."""
+    if tiny_hybrid.kind != KINDS[0]:
+        pytest.skip("one family is enough")
+    monkeypatch.setenv(FAULT_TOKEN_ENV, "2")  # no prompt here holds token 2 but this one
+    core = make_core(tiny_hybrid.hf_dir, dtype="float32", quantization="none")
+    core.add_request(request("faulty", [5, 2, 9]))
+    core.add_request(request("beside", tiny_hybrid.prompts[1]))
+    outputs = core.step().outputs
+    assert sorted((o.request_id, o.finish_reason) for o in outputs) == [("beside", "error"), ("faulty", "error")]
+    assert "injected fault" in outputs[0].error
+    core.add_request(request("after", tiny_hybrid.prompts[2], max_tokens=TOKENS))
+    tokens: list[int] = []
+    while core.has_unfinished_requests():
+        for output in core.step().outputs:
+            tokens += output.new_token_ids
+    assert tokens == tiny_hybrid.expected[2]
 
 
 def test_a_multimodal_checkpoint_runs_its_language_model(tmp_path):

@@ -65,6 +65,10 @@ class EngineCore:
             config.speculative_config, fork_prompts=model_config.recurrent is None,
         )
         self.long_rope_from = model_config.long_rope_from
+        # Whether a failed step may run again in parts to find the request that fails it: not for a
+        # model with recurrent layers, whose states a step that failed part-way may already have
+        # advanced (its requests end with an error instead; nothing answers wrong).
+        self.steps_rerun = model_config.recurrent is None
         self.dead_reason: str | None = None  # set when the executor failed: no step can run again
         logger.debug("engine core ready in %.1fs", time.perf_counter() - started)
 
@@ -107,13 +111,23 @@ class EngineCore:
                 runner_output = self.executor.execute_model(scheduler_output)
             except ExecutorFailedError as exc:  # a worker is gone: nothing can run any more
                 return self.fail_all(str(exc))
-            except Exception:
-                logger.exception("a model step of %d requests failed; running it again in parts to find "
-                                 "the requests that fail it", len(scheduler_output.num_scheduled_tokens))
-                try:
-                    runner_output, failed = self._isolate_failure(scheduler_output)
-                except ExecutorFailedError as exc:
-                    return self.fail_all(str(exc))
+            except Exception as exc:
+                if not self.steps_rerun:
+                    logger.exception("a model step of %d requests failed; they end with an error (a hybrid "
+                                     "model's step cannot be run again: its recurrent states may have moved on)",
+                                     len(scheduler_output.num_scheduled_tokens))
+                    runner_output = ModelRunnerOutput()
+                    ended = self.scheduler.finish_requests(list(scheduler_output.num_scheduled_tokens),
+                                                           RequestStatus.FINISHED_ERROR)
+                    failed = [EngineCoreOutput(r.request_id, [], finish_reason="error",
+                                               error=f"{type(exc).__name__}: {exc}") for r in ended]
+                else:
+                    logger.exception("a model step of %d requests failed; running it again in parts to find "
+                                     "the requests that fail it", len(scheduler_output.num_scheduled_tokens))
+                    try:
+                        runner_output, failed = self._isolate_failure(scheduler_output)
+                    except ExecutorFailedError as failure:
+                        return self.fail_all(str(failure))
             clock.last = time.perf_counter()  # the executor timed its own phases
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.outputs.extend(failed)
