@@ -136,10 +136,11 @@ def test_bfloat16_greedy_follows_transformers_until_a_near_tie(tiny_llama, bfloa
     assert agreed >= len(prompts), f"only {agreed} tokens agreed over {len(prompts)} prompts"
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granite"])
 def tiny_hybrid_cuda(request, tmp_path_factory: pytest.TempPathFactory):
-    """A tiny random Qwen3.5 (Gated DeltaNet and gated attention layers; the MoE variant too), its
-    Hugging Face directory and transformers' float32 model of it on the GPU."""
+    """A tiny random hybrid model (Qwen3.5 and its MoE variant, Qwen3-Next: Gated DeltaNet; LFM2:
+    short convolutions; Granite 4: Mamba2), its Hugging Face directory and transformers' float32
+    model of it on the GPU."""
     from test_hybrid_models import TinyHybrid
 
     built = TinyHybrid(request.param, tmp_path_factory.mktemp("cuda-hybrid"), gguf=False)
@@ -148,7 +149,7 @@ def tiny_hybrid_cuda(request, tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_hybrid_float32_logits_and_greedy_match_transformers(tiny_hybrid_cuda):
-    """The Gated DeltaNet layers in PyTorch on the GPU: chunked prefill (a prompt past one 64-token
+    """The recurrent layers in PyTorch on the GPU: chunked prefill (a prompt past one 64-token
     block, in chunks of 40 beside other requests' decodes) and the recurrent decode step give
     transformers' logits and greedy tokens."""
     built = tiny_hybrid_cuda
