@@ -12,7 +12,7 @@ from support import tiny_hf_model
 from roseinfer import LLM, InferenceEngine, SamplingParams
 from roseinfer.common.messages import ModelRunnerOutput
 from roseinfer.layers.cpu_kernels import cpu_kernels
-from roseinfer.models.fused_decode import fused_decoder_for, unsupported
+from roseinfer.models.fused_decode import PostNorms, fused_decoder_for, unsupported
 from roseinfer.models.llama import LlamaForCausalLM
 
 
@@ -141,20 +141,22 @@ def test_the_fused_step_is_built_from_the_models_description(tmp_path):
     spec = model.fused_decode_spec()
     assert len(spec.layers) == len(model.model.layers)
     for described, layer in zip(spec.layers, model.model.layers, strict=True):
-        assert described.qkv_proj is layer.self_attn.qkv_proj and described.down_proj is layer.mlp.down_proj
+        assert described.qkv_proj is layer.self_attn.qkv_proj and described.mlp.down_proj is layer.mlp.down_proj
         assert described.input_norm.data_ptr() == layer.input_layernorm.weight.data_ptr()
-        assert described.q_norm.data_ptr() == layer.self_attn.q_norm.weight.data_ptr()
+        assert described.qk_norm.q.data_ptr() == layer.self_attn.q_norm.weight.data_ptr()
+        assert not described.qk_norm.over_all_heads and described.post_norms is None
         assert described.attention is layer.self_attn.attn.params
-        assert described.activation == "silu" and described.rotary is model.rotary
+        assert described.mlp.activation == "silu" and described.rotary is model.rotary
     assert spec.lm_head is model.lm_head and spec.embedding is model.model.embed_tokens
     assert unsupported(spec, torch.float32) is None and engine.runner.fused_decoder is not None
 
 
 def test_what_the_description_says_and_the_step_cannot_compute_is_refused_by_name(tmp_path, caplog):
-    """Each feature of a description that the C++ step does not compute (another activation, a q
-    norm without a k norm, shapes or norm eps differing between layers, no positive scale) is
-    refused with a reason naming it, logged once; and a subclass that changes the forward without
-    describing itself does not inherit Llama's description."""
+    """Each feature of a description that the C++ step does not compute (another activation,
+    shapes or norm eps differing between layers, no positive scale) is refused with a reason naming
+    it, logged once; what the step computes per layer (Gemma's features, an MLP of its own width)
+    is not; and a subclass that changes the forward without describing itself does not inherit
+    Llama's description."""
     import dataclasses
     import logging
 
@@ -170,19 +172,17 @@ def test_what_the_description_says_and_the_step_cannot_compute_is_refused_by_nam
         return dataclasses.replace(spec, layers=tuple(layers))
 
     refusals = {
-        "layer 0: activation 'relu'": with_layer(activation="relu"),
-        "layer 0: a norm of q without one of k": with_layer(q_norm=first.input_norm[: first.attention.head_dim]),
+        "layer 0: activation 'relu'": with_layer(mlp=dataclasses.replace(first.mlp, activation="relu")),
         "layer 1: its shapes differ from layer 0's": with_layer(
             1, attention=dataclasses.replace(first.attention, num_heads=2 * first.attention.num_heads)),
-        "layer 1: its MLP's width differs from the first dense MLP's": with_layer(
-            1, intermediate_size=2 * first.intermediate_size),
         "layer 1: its norms' eps differs from the final norm's": with_layer(1, norm_eps=2 * first.norm_eps),
         "layer 0: attention scale 0.0": with_layer(attention=dataclasses.replace(first.attention, scale=0.0)),
     }
     for reason, described in refusals.items():
         assert reason in (unsupported(described, torch.float32) or ""), reason
     # What Gemma adds is computed, per layer or per model: not refused.
-    gemma_like = with_layer(1, activation="gelu_tanh", mlp_out_norm=first.mlp_norm, attention_out_norm=first.mlp_norm,
+    gemma_like = with_layer(1, mlp=dataclasses.replace(first.mlp, activation="gelu_tanh"),
+                            post_norms=PostNorms(first.mlp_norm, first.mlp_norm),
                             attention=dataclasses.replace(first.attention, scale=0.1, softcap=50.0, sliding_window=8))
     assert unsupported(dataclasses.replace(gemma_like, embedding_scale=8.0, final_logit_softcap=30.0),
                        torch.float32) is None

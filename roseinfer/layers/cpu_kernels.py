@@ -12,7 +12,8 @@
   small batches where the CPU has VNNI, weights expanded a panel at a time for large ones.
 - float32 and bfloat16 linear layers on CPUs with AVX-512 but no AMX (panel_linear_cpu.cpp):
   1.1-1.75x oneDNN at decode batch sizes, 1.4-2.6x for one row.
-- A whole decode step of a Llama-family model with such weights in one call (llama_decode_cpu.cpp).
+- A whole decode step of a pre-norm decoder (Llama, Qwen, Gemma, mixtures of experts) with such
+  weights in one call (decoder_step_cpu.cpp).
 - Weight memory (weight_memory_cpu.cpp): packed weights in 2 MiB pages, which PyTorch's allocator
   does not ask for; a decode step streams every weight once, and in 4 KiB pages a one-stream
   OLMoE-shaped decode ran 39 tok/s against 44.
@@ -42,7 +43,7 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in ("bindings.cpp", "paged_attention_cpu.cpp", "kv_write_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp",
                  "activation_cpu.cpp", "argmax_cpu.cpp", "panel_linear_cpu.cpp",
-                 "gguf_linear_cpu.cpp", "llama_decode_cpu.cpp", "weight_memory_cpu.cpp")
+                 "gguf_linear_cpu.cpp", "decoder_step_cpu.cpp", "weight_memory_cpu.cpp")
 ]
 # -march=native: the build is for this CPU; its name carries the CPU's feature flags so a cache
 # shared with another machine never loads code built for different instructions.

@@ -1,20 +1,21 @@
-"""Decode steps of a pre-norm decoder in one C++ call (layers/csrc/llama_decode_cpu.cpp), built
+"""Decode steps of a pre-norm decoder in one C++ call (layers/csrc/decoder_step_cpu.cpp), built
 from the model's own description of itself.
 
 Run op by op, a decode step is ~400 PyTorch operations, and at small batches their dispatch costs
 as much as their arithmetic (a 30-layer model: ~5 ms a token). A model class that can be run this
 way says so with `fused_decode_spec()`, returning a `DecodeModelSpec`: its layers, one
-`DecodeLayerSpec` each (weights, norms, attention parameters, rotary table, activation, or a
-mixture of experts' router and experts in place of the MLP: `DecodeExpertsSpec`), built
-from the same modules its forward runs, so the two cannot drift. This module builds the C++ step
+`DecodeLayerSpec` each, built from the same modules its forward runs, so the two cannot drift. A
+layer is its attention core (norms, projections, attention parameters, rotary table) and the
+features it has, each one object or field: a sliding window and a soft-cap of the scores (in its
+attention parameters), norms of q and k (`QKNorm`), norms of the sub-layers' outputs
+(`PostNorms`), and its MLP, gated (`GatedMLPSpec`) or a mixture of experts (`DecodeExpertsSpec`);
+the C++ step has one setter per feature, not flags of a family. This module builds the C++ step
 from that description only (never from the attributes of an arbitrary class) and refuses, by
 name and logged once, what the C++ step does not compute (another activation, shapes or norm eps
 differing between layers, ...) or cannot call (linear layers other than float panels or GGUF
 blocks, tensor-parallel shards, another device). A model without the method, or returning None,
-keeps its op-by-op forward. Per layer the step takes its own attention scale, sliding window,
-score soft-cap, rotary table and activation (SwiGLU or GeGLU) and Gemma's norms of the attention's
-and the MLP's outputs; per model an embedding scale and a soft-cap of the final logits: the Llama
-family, Gemma 2 and Gemma 3.
+keeps its op-by-op forward. Per model the step takes an embedding scale and a soft-cap of the
+final logits. The Llama family, Qwen2/3, Gemma 2/3 and the mixtures of experts describe themselves.
 
 The C++ step applies to CPU models whose linear layers it can call directly: float32 or bfloat16
 weights on the panel kernel (CPUs with AVX-512 and no AMX), and GGUF blocks of any type
@@ -42,7 +43,7 @@ from roseinfer.layers.rotary import RotaryEmbedding
 logger = logging.getLogger(__name__)
 
 # A linear layer as the C++ step takes it: (tensors, GGML types, bias, exact); see DecodeLinear in
-# layers/csrc/llama_decode_cpu.cpp.
+# layers/csrc/decoder_step_cpu.cpp.
 LinearSpec = tuple[list[torch.Tensor], list[int], torch.Tensor | None, bool]
 
 
@@ -77,34 +78,55 @@ class DecodeExpertsSpec:
 
 
 @dataclass(frozen=True)
+class GatedMLPSpec:
+    """A gated MLP: down_proj(activation(gate) * up), gate and up rows in one matrix."""
+
+    gate_up_proj: nn.Module  # gate rows, then up rows
+    down_proj: nn.Module
+    intermediate_size: int
+    activation: str = "silu"  # of the gate: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+
+
+@dataclass(frozen=True)
+class QKNorm:
+    """RMSNorms of q and of k after the projection, before rotary: one per head (Qwen3, Gemma 3),
+    or with `over_all_heads` one over the whole of q and one over the whole of k (OLMoE)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    over_all_heads: bool = False
+
+
+@dataclass(frozen=True)
+class PostNorms:
+    """RMSNorms of the attention's and the MLP's outputs, before their residual adds (Gemma)."""
+
+    attention: torch.Tensor
+    mlp: torch.Tensor
+
+
+@dataclass(frozen=True)
 class DecodeLayerSpec:
     """One pre-norm decoder layer, as its model computes it (RMSNorms throughout):
 
-        a = o_proj(attention(rope(q_norm/k_norm(qkv_proj(input_norm(x))))))
-        h = x + attention_out_norm(a)                   (no out norm: x + a)
-        g, u = gate_up_proj(mlp_norm(h))
-        y = h + mlp_out_norm(down_proj(activation(g) * u))
+        a = o_proj(attention(rope(qk_norm(qkv_proj(input_norm(x))))))    (no qk_norm: as is)
+        h = x + post_norms.attention(a)                                   (no post_norms: x + a)
+        y = h + post_norms.mlp(mlp(mlp_norm(h)))
 
-    or, with `experts`, y = h + experts(mlp_norm(h)) (no gate_up_proj or down_proj).
+    `attention` carries the scores' scale, sliding window and soft-cap; `mlp` is gated or a
+    mixture of experts.
     """
 
     input_norm: torch.Tensor  # RMSNorm weights, as the model applies them
     qkv_proj: nn.Module  # q, k and v rows in one matrix (q/k rows in the rotary layout)
     o_proj: nn.Module
     mlp_norm: torch.Tensor
-    gate_up_proj: nn.Module | None  # gate rows, then up rows (None: experts)
-    down_proj: nn.Module | None
+    mlp: GatedMLPSpec | DecodeExpertsSpec
     attention: AttentionLayerParams  # heads, scale, sliding window, soft-cap
     rotary: RotaryEmbedding  # the table this layer's q and k rotate with
     norm_eps: float  # of every RMSNorm of the layer
-    intermediate_size: int  # of gate_up_proj / down_proj
-    activation: str = "silu"  # of the gate: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
-    q_norm: torch.Tensor | None = None  # per-head RMSNorm of q and k (Qwen3, Gemma 3)
-    k_norm: torch.Tensor | None = None
-    attention_out_norm: torch.Tensor | None = None  # a norm of the attention's output (Gemma)
-    mlp_out_norm: torch.Tensor | None = None  # a norm of the MLP's output (Gemma)
-    qk_norm_over_all_heads: bool = False  # OLMoE: q_norm spans all of q (k_norm all of k), not a head
-    experts: DecodeExpertsSpec | None = None  # a mixture-of-experts MLP in place of gate_up/down
+    qk_norm: QKNorm | None = None
+    post_norms: PostNorms | None = None
 
 
 @dataclass(frozen=True)
@@ -136,7 +158,7 @@ def _callable(layer: nn.Module, dtype: torch.dtype) -> bool:
     return isinstance(layer, BlockLinear)
 
 
-# The gated MLP activations the C++ step computes (DecodeLayerSpec.activation).
+# The gated MLP activations the C++ step computes (GatedMLPSpec.activation).
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -145,30 +167,25 @@ def unsupported(spec: DecodeModelSpec, dtype: torch.dtype) -> str | None:
     if spec.embedding_scale is not None and not spec.embedding_scale > 0:
         return f"embedding scale {spec.embedding_scale} (the C++ step scales by a positive factor)"
     first = spec.layers[0]
-    dense = [layer for layer in spec.layers if layer.experts is None]
     for index, layer in enumerate(spec.layers):
         where = f"layer {index}: "
-        attention = layer.attention
-        if layer.activation not in ACTIVATIONS:
-            return where + f"activation {layer.activation!r} (the C++ step has {', '.join(ACTIVATIONS)})"
+        attention, mlp = layer.attention, layer.mlp
+        if isinstance(mlp, GatedMLPSpec) and mlp.activation not in ACTIVATIONS:
+            return where + f"activation {mlp.activation!r} (the C++ step has {', '.join(ACTIVATIONS)})"
         if not attention.scale > 0:
             return where + f"attention scale {attention.scale} (the C++ step takes a positive scale)"
-        if (layer.q_norm is None) != (layer.k_norm is None):
-            return where + "a norm of q without one of k, or of k without q"
         # The C++ step takes one of each of these for the whole model.
         if (attention.num_heads, attention.num_kv_heads, attention.head_dim) != (
             first.attention.num_heads, first.attention.num_kv_heads, first.attention.head_dim,
         ):
             return where + "its shapes differ from layer 0's"
-        if layer.experts is None and layer.intermediate_size != dense[0].intermediate_size:
-            return where + "its MLP's width differs from the first dense MLP's"
         if layer.norm_eps != spec.norm_eps:
             return where + "its norms' eps differs from the final norm's"
-        linears = {name: getattr(layer, name) for name in ("qkv_proj", "o_proj")}
-        if layer.experts is None:
-            linears |= {name: getattr(layer, name) for name in ("gate_up_proj", "down_proj")}
+        linears = {"qkv_proj": layer.qkv_proj, "o_proj": layer.o_proj}
+        if isinstance(mlp, GatedMLPSpec):
+            linears |= {"gate_up_proj": mlp.gate_up_proj, "down_proj": mlp.down_proj}
         else:
-            linears |= layer.experts.linears()
+            linears |= mlp.linears()
         for name, linear in linears.items():
             if not _callable(linear, dtype):
                 return where + f"{name} is a {type(linear).__name__} the C++ step cannot call for {dtype}"
@@ -208,48 +225,47 @@ def fused_decoder_for(model: nn.Module, dtype: torch.dtype, device: torch.device
     if reason is not None:
         _refuse(model, reason)
         return None
-    first = spec.layers[0]
-    no_linear: LinearSpec = ([], [], None, False)  # a layer whose MLP is experts (set below)
     rotaries: list[RotaryEmbedding] = []  # the distinct tables (Gemma 3: local and global)
-    layers = []
     for layer in spec.layers:
         if not any(layer.rotary is table for table in rotaries):
             rotaries.append(layer.rotary)
-        dense = layer.experts is None
-        layers.append((
-            layer.input_norm, layer.q_norm, layer.k_norm, layer.mlp_norm, _linear(layer.qkv_proj),
-            _linear(layer.o_proj), _linear(layer.gate_up_proj) if dense else no_linear,
-            _linear(layer.down_proj) if dense else no_linear,
-            layer.attention_out_norm, layer.mlp_out_norm, _layer_params(layer, rotaries),
-        ))
     # The embeddings' factor rounded to the activations' dtype first, as Gemma's forward rounds it.
     scale = torch.tensor(spec.embedding_scale, dtype=dtype).item() if spec.embedding_scale is not None else 0.0
-    attention = first.attention
-    dense_layers = [layer for layer in spec.layers if layer.experts is None]
-    decoder = kernels.LlamaDecoder(
-        spec.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim,
-        dense_layers[0].intermediate_size if dense_layers else 0, spec.lm_head.out_features, spec.norm_eps,
-        spec.final_norm, _linear(spec.lm_head), layers, scale,
+    attention = spec.layers[0].attention
+    decoder = kernels.DecoderStep(
+        spec.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_dim, spec.lm_head.out_features,
+        spec.norm_eps, spec.final_norm, _linear(spec.lm_head), scale,
     )
     # A model with full and sliding layers keeps a pool per kind, read through its own block
     # tables and slots (common/kv_cache_spec.py): each layer names its group.
-    for index, group in enumerate(layer_kv_groups([layer.attention.sliding_window for layer in spec.layers])):
-        if group:
-            decoder.set_kv_group(index, group)
-    for index, layer in enumerate(spec.layers):
-        if layer.qk_norm_over_all_heads:
-            decoder.set_qk_norm_over_all_heads(index)
-        if layer.experts is not None:
-            _set_experts(decoder, index, layer.experts)
+    groups = layer_kv_groups([layer.attention.sliding_window for layer in spec.layers])
+    for layer, group in zip(spec.layers, groups, strict=True):
+        _add_layer(decoder, layer, next(i for i, table in enumerate(rotaries) if table is layer.rotary), group)
     return FusedDecoder(decoder, spec.embedding, rotaries, spec.final_logit_softcap)
 
 
-def _layer_params(layer: DecodeLayerSpec, rotaries: list[RotaryEmbedding]) -> tuple[float, int, float, int, str]:
-    """(scale, sliding window or 0, score soft-cap or 0, rotary table index, activation): see
-    LlamaDecoder::LayerParams in layers/csrc/llama_decode_cpu.cpp."""
+def _add_layer(decoder: Any, layer: DecodeLayerSpec, rotary: int, kv_group: int) -> None:
+    """The layer's attention core, then one setter per feature it has (DecoderStep in
+    layers/csrc/decoder_step_cpu.cpp)."""
     attention = layer.attention
-    rotary = next(i for i, table in enumerate(rotaries) if table is layer.rotary)
-    return attention.scale, attention.sliding_window or 0, attention.softcap or 0.0, rotary, layer.activation
+    index = decoder.add_layer(layer.input_norm, _linear(layer.qkv_proj), _linear(layer.o_proj), layer.mlp_norm,
+                              attention.scale, rotary)
+    if kv_group:
+        decoder.set_kv_group(index, kv_group)
+    if attention.sliding_window:
+        decoder.set_sliding_window(index, attention.sliding_window)
+    if attention.softcap:
+        decoder.set_score_softcap(index, attention.softcap)
+    if layer.qk_norm is not None:
+        decoder.set_qk_norm(index, layer.qk_norm.q, layer.qk_norm.k, layer.qk_norm.over_all_heads)
+    if layer.post_norms is not None:
+        decoder.set_post_norms(index, layer.post_norms.attention, layer.post_norms.mlp)
+    mlp = layer.mlp
+    if isinstance(mlp, GatedMLPSpec):
+        decoder.set_gated_mlp(index, _linear(mlp.gate_up_proj), _linear(mlp.down_proj), mlp.intermediate_size,
+                              mlp.activation)
+    else:
+        _set_experts(decoder, index, mlp)
 
 
 def _set_experts(decoder: Any, index: int, experts: DecodeExpertsSpec) -> None:
@@ -257,7 +273,7 @@ def _set_experts(decoder: Any, index: int, experts: DecodeExpertsSpec) -> None:
     if experts.shared_intermediate_size:
         shared = (_linear(experts.shared_gate_up_proj), _linear(experts.shared_down_proj),
                   _linear(experts.shared_gate), experts.shared_intermediate_size)
-    decoder.set_sparse_mlp(
+    decoder.set_experts(
         index, _linear(experts.router), [_linear(m) for m in experts.gate_up_projs],
         [_linear(m) for m in experts.down_projs], experts.top_k, experts.normalize_top_k,
         experts.intermediate_size, shared,

@@ -29,7 +29,7 @@ from roseinfer.layers.attention import AttentionMetadata, PagedAttention
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
-from roseinfer.models.fused_decode import DecodeModelSpec
+from roseinfer.models.fused_decode import DecodeModelSpec, PostNorms
 from roseinfer.models.llama import (
     LLAMA_GGUF_LAYER_NAMES,
     LlamaAttention,
@@ -154,8 +154,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
                 decode_layer_spec(
                     layer, layer.pre_feedforward_layernorm,
                     self.rotary_local if layer.is_local and not self.same_rotary else self.rotary, "gelu_tanh",
-                    attention_out_norm=layer.post_attention_layernorm.weight.detach(),
-                    mlp_out_norm=layer.post_feedforward_layernorm.weight.detach(),
+                    post_norms=PostNorms(layer.post_attention_layernorm.weight.detach(),
+                                         layer.post_feedforward_layernorm.weight.detach()),
                 )
                 for layer in self.model.layers
             ),

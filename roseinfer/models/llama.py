@@ -28,7 +28,14 @@ from roseinfer.layers.rotary import (
     rope_frequencies,
 )
 from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
-from roseinfer.models.fused_decode import DecodeExpertsSpec, DecodeLayerSpec, DecodeModelSpec
+from roseinfer.models.fused_decode import (
+    DecodeExpertsSpec,
+    DecodeLayerSpec,
+    DecodeModelSpec,
+    GatedMLPSpec,
+    PostNorms,
+    QKNorm,
+)
 from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
 
@@ -145,30 +152,30 @@ LLAMA_GGUF_GLOBAL_NAMES = {
 
 def decode_layer_spec(
     layer: nn.Module, mlp_norm: RMSNorm, rotary: RotaryEmbedding, activation: str,
-    experts: DecodeExpertsSpec | None = None, **extra: torch.Tensor,
+    experts: DecodeExpertsSpec | None = None, post_norms: PostNorms | None = None,
 ) -> DecodeLayerSpec:
-    """One decoder layer of the Llama layout (input norm, fused qkv, o, optional q/k norms, fused
-    gate/up, down; Gemma's layers too) as the fused decode step reads it; `experts`: a
-    mixture-of-experts MLP in place of gate/up and down; `extra`: the spec's optional fields
-    (Gemma's norms after attention and FFN)."""
+    """One decoder layer of the Llama layout (input norm, fused qkv, o, optional q/k norms per
+    head, fused gate/up, down; Gemma's layers too) as the fused decode step reads it; `experts`: a
+    mixture-of-experts MLP in place of gate/up and down; `post_norms`: norms of the attention's and
+    the MLP's outputs (Gemma)."""
     attention = layer.self_attn
-    mlp = layer.mlp if experts is None else None
+    mlp = experts
+    if mlp is None:
+        mlp = GatedMLPSpec(layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.mlp.intermediate_size, activation)
+    qk_norm = None
+    if attention.qk_norm:
+        qk_norm = QKNorm(attention.q_norm.weight.detach(), attention.k_norm.weight.detach())
     return DecodeLayerSpec(
         input_norm=layer.input_layernorm.weight.detach(),
         qkv_proj=attention.qkv_proj,
         o_proj=attention.o_proj,
         mlp_norm=mlp_norm.weight.detach(),
-        gate_up_proj=mlp.gate_up_proj if mlp is not None else None,
-        down_proj=mlp.down_proj if mlp is not None else None,
+        mlp=mlp,
         attention=attention.attn.params,
         rotary=rotary,
         norm_eps=layer.input_layernorm.eps,
-        intermediate_size=mlp.intermediate_size if mlp is not None else 0,
-        activation=activation,
-        q_norm=attention.q_norm.weight.detach() if attention.qk_norm else None,
-        k_norm=attention.k_norm.weight.detach() if attention.qk_norm else None,
-        experts=experts,
-        **extra,
+        qk_norm=qk_norm,
+        post_norms=post_norms,
     )
 
 

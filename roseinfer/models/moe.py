@@ -39,7 +39,7 @@ from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.parallel import take_shard
 from roseinfer.layers.rotary import apply_rotary, interleave_rotary_rows
 from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
-from roseinfer.models.fused_decode import DecodeExpertsSpec, DecodeModelSpec
+from roseinfer.models.fused_decode import DecodeExpertsSpec, DecodeModelSpec, QKNorm
 from roseinfer.models.llama import (
     LLAMA_GGUF_LAYER_NAMES,
     LlamaAttention,
@@ -254,10 +254,9 @@ class MoeForCausalLM(LlamaForCausalLM):
             experts = mlp.decode_spec() if isinstance(mlp, SparseMoeBlock) else None
             spec = decode_layer_spec(layer, layer.post_attention_layernorm, self.rotary, "silu", experts=experts)
             if isinstance(attention, FullWidthQKNormAttention):
-                spec = dataclasses.replace(
-                    spec, q_norm=attention.q_norm_full.weight.detach(), k_norm=attention.k_norm_full.weight.detach(),
-                    qk_norm_over_all_heads=True,
-                )
+                spec = dataclasses.replace(spec, qk_norm=QKNorm(
+                    attention.q_norm_full.weight.detach(), attention.k_norm_full.weight.detach(), over_all_heads=True,
+                ))
             layers.append(spec)
         return DecodeModelSpec(
             embedding=self.model.embed_tokens,

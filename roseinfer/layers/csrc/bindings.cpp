@@ -11,7 +11,7 @@ void rotary_embedding_(torch::Tensor x, torch::Tensor rotations);
 void write_kv_(torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor k, torch::Tensor v);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor argmax_rows(torch::Tensor logits);
-void bind_llama_decoder(pybind11::module& m);
+void bind_decoder_step(pybind11::module& m);
 std::vector<std::string> panel_linear_dtypes();
 torch::Tensor pack_panels(torch::Tensor weight);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N);
@@ -57,5 +57,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear, "x @ w.T (+ bias) for a weight in packed GGUF parts stacked along N",
         pybind11::arg("x"), pybind11::arg("parts"), pybind11::arg("types"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("exact") = false);
-  bind_llama_decoder(m);
+  bind_decoder_step(m);
 }

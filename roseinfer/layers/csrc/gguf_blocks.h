@@ -67,6 +67,21 @@ inline uint32_t u32(const uint8_t* p) {
 constexpr std::array<int8_t, 16> kIQ4Values = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                1,    13,   25,  38,  53,  69,  89,  113};
 
+#if ROSEINFER_GGUF_VNNI
+// A table of 16 signed values + Offset as unsigned bytes, in every 128-bit lane: VPSHUFB turns
+// 4-bit codes into the unsigned bytes VPDPBUSD multiplies (the dot takes Offset times the
+// activations' sum off).
+template <const std::array<int8_t, 16>& Values, int Offset>
+inline __m512i shifted_values() {
+  alignas(16) static constexpr std::array<uint8_t, 16> bytes = [] {
+    std::array<uint8_t, 16> b{};
+    for (int i = 0; i < 16; ++i) b[i] = static_cast<uint8_t>(Values[i] + Offset);
+    return b;
+  }();
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes.data())));
+}
+#endif
+
 // Native orders. Nibbles: within each 128 values (4 runs of 32), a 64-byte load of packed nibbles
 // holds the first 16 values of each run in its low nibbles and the last 16 in its high ones.
 inline int nibbles_native(int p) {
@@ -243,10 +258,7 @@ struct GroupTraits {
         c0 = _mm512_mask_add_epi8(c0, lo, c0, bit);
         c1 = _mm512_mask_add_epi8(c1, hi, c1, bit);
       } else if constexpr (C == Codes::kIQ4) {
-        const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(
-            1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129), static_cast<char>(141), static_cast<char>(153),
-            static_cast<char>(166), static_cast<char>(181), static_cast<char>(197), static_cast<char>(217),
-            static_cast<char>(241)));  // kIQ4Values + 128
+        const __m512i table = shifted_values<kIQ4Values, kOffset>();
         c0 = _mm512_shuffle_epi8(table, c0);
         c1 = _mm512_shuffle_epi8(table, c1);
       }
@@ -365,6 +377,33 @@ inline void ksum(const __m512i codes[4], const __m512i scales[4], const Activati
 inline __m256i run_sums(__m256i weights16, const int16_t* sums) {
   return _mm256_madd_epi16(weights16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums)));
 }
+
+// The dot of the K-quants whose codes are stored + (1 << Shift) under signed integer scales per 16
+// values and one float16 scale (Q3_K: +4, Q6_K: +32): unpack(b, sc16, codes) gives a super-block's
+// 16 scales as words and its codes (4 vectors of 64, natural order), and returns its d.
+template <int Shift, int T, typename Unpack>
+__attribute__((always_inline)) inline void offset_kquant_dot(const uint8_t* row, int64_t units, int64_t bytes,
+                                                             const Activations& a, int64_t m0, float* out,
+                                                             Unpack&& unpack) {
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < units; ++u) {
+    __m256i sc16;
+    __m512i scales[4], codes[4];
+    const float d = unpack(row + u * bytes, sc16, codes);
+    spread_scales16(_mm512_castsi256_si512(sc16), scales);
+    __m512i s[T];
+    ksum<T>(codes, scales, a, m0, u, s);
+    for (int t = 0; t < T; ++t) {
+      const float dx = a.d[(m0 + t) * a.d_stride + u];
+      // Take (1 << Shift) * scale * (run sum) off, in the lower 8 lanes.
+      const __m256i offset = _mm256_slli_epi32(run_sums(sc16, a.sums + (m0 + t) * a.sums_stride + u * 16), Shift);
+      const __m512i total = _mm512_sub_epi32(s[t], _mm512_zextsi256_si512(offset));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(d * dx), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t] = _mm512_reduce_add_ps(acc[t]);
+}
 #endif
 
 // Q4_K / Q5_K scales and minimums: 8 six-bit values each, packed in 12 bytes; returned as 8 bytes of
@@ -471,15 +510,11 @@ struct Q3_K : SuperTraits {
     const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
     const __m512i shift_lo = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
     const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
-    __m512 acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < units; ++u) {
-      const uint8_t* b = row + u * kBytes;
+    offset_kquant_dot<2, T>(row, units, kBytes, a, m0, out,
+                            [&](const uint8_t* b, __m256i& sc16, __m512i codes[4]) __attribute__((always_inline)) {
       int8_t sc[16];
       scales(b + 96, sc);
-      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-      __m512i scales16[4], codes[4];
-      spread_scales16(_mm512_castsi256_si512(sc16), scales16);
+      sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
       const __m512i hmask = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
       for (int k = 0; k < 4; ++k) {
         const int h = k / 2;
@@ -490,18 +525,8 @@ struct Q3_K : SuperTraits {
                                                 _mm256_set1_epi8(static_cast<char>(1 << (2 * k + 1))), 1);
         codes[k] = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hmask, bits), low, four);  // q + 4
       }
-      const float d = half(b + 108);
-      __m512i s[T];
-      ksum<T>(codes, scales16, a, m0, u, s);
-      for (int t = 0; t < T; ++t) {
-        const float dx = a.d[(m0 + t) * a.d_stride + u];
-        // The codes are q + 4: take 4 * scale * (run sum) off, in the lower 8 lanes.
-        const __m256i offset = _mm256_slli_epi32(run_sums(sc16, a.sums + (m0 + t) * a.sums_stride + u * 16), 2);
-        const __m512i total = _mm512_sub_epi32(s[t], _mm512_zextsi256_si512(offset));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(d * dx), acc[t]);
-      }
-    }
-    for (int t = 0; t < T; ++t) out[t] = _mm512_reduce_add_ps(acc[t]);
+      return half(b + 108);
+    });
   }
 #endif
 };
@@ -509,19 +534,27 @@ struct Q3_K : SuperTraits {
 struct Q4_K : SuperTraits {
   static constexpr int kType = 12, kBytes = 144;
   static int native(int p) { return q4k_native(p); }
-  ROSEINFER_EXACT static void dequantize(const uint8_t* b, float* out) {
+  ROSEINFER_EXACT static void dequantize(const uint8_t* b, float* out) { dequantize_k<false>(b, out); }
+  // Q4_K's values, and with HighBit Q5_K's (fifth bits at b + 16, codes at b + 48).
+  template <bool HighBit>
+  ROSEINFER_EXACT static void dequantize_k(const uint8_t* b, float* out) {
     uint8_t sc[8], mn[8];
     k_scale_min(b + 4, sc, mn);
     const float d = half(b), dmin = half(b + 2);
-    const uint8_t* qs = b + 16;
+    const uint8_t *qh = b + 16, *qs = b + (HighBit ? 48 : 16);
     for (int j = 0; j < 4; ++j) {  // 64 values: 32 in the low nibbles, 32 in the high ones
       const float dd0 = d * static_cast<float>(sc[2 * j]), dm0 = dmin * static_cast<float>(mn[2 * j]);
       const float dd1 = d * static_cast<float>(sc[2 * j + 1]), dm1 = dmin * static_cast<float>(mn[2 * j + 1]);
       const uint8_t* q = qs + j * 32;
       float* o = out + j * 64;
       for (int l = 0; l < 32; ++l) {
-        o[l] = dd0 * static_cast<float>(q[l] & 0x0F) - dm0;
-        o[l + 32] = dd1 * static_cast<float>(q[l] >> 4) - dm1;
+        int low = q[l] & 0x0F, high = q[l] >> 4;
+        if constexpr (HighBit) {
+          low |= ((qh[l] >> (2 * j)) & 1) << 4;
+          high |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+        }
+        o[l] = dd0 * static_cast<float>(low) - dm0;
+        o[l + 32] = dd1 * static_cast<float>(high) - dm1;
       }
     }
   }
@@ -587,24 +620,7 @@ struct Q4_K : SuperTraits {
 struct Q5_K : SuperTraits {
   static constexpr int kType = 13, kBytes = 176;
   static int native(int p) { return q4k_native(p); }
-  ROSEINFER_EXACT static void dequantize(const uint8_t* b, float* out) {
-    uint8_t sc[8], mn[8];
-    k_scale_min(b + 4, sc, mn);
-    const float d = half(b), dmin = half(b + 2);
-    const uint8_t *qh = b + 16, *qs = b + 48;
-    for (int j = 0; j < 4; ++j) {
-      const float dd0 = d * static_cast<float>(sc[2 * j]), dm0 = dmin * static_cast<float>(mn[2 * j]);
-      const float dd1 = d * static_cast<float>(sc[2 * j + 1]), dm1 = dmin * static_cast<float>(mn[2 * j + 1]);
-      const uint8_t* q = qs + j * 32;
-      float* o = out + j * 64;
-      for (int l = 0; l < 32; ++l) {
-        const int low = (q[l] & 0x0F) | (((qh[l] >> (2 * j)) & 1) << 4);
-        const int high = (q[l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4);
-        o[l] = dd0 * static_cast<float>(low) - dm0;
-        o[l + 32] = dd1 * static_cast<float>(high) - dm1;
-      }
-    }
-  }
+  ROSEINFER_EXACT static void dequantize(const uint8_t* b, float* out) { Q4_K::dequantize_k<true>(b, out); }
 #if ROSEINFER_GGUF_VNNI
   template <int T>
   static void dot(const uint8_t* row, int64_t units, const Activations& a, int64_t m0, float* out) {
@@ -638,13 +654,9 @@ struct Q6_K : SuperTraits {
     // Values h*128 + 32 s + l take bits 2s of qh[32 h + l]: moved to bits 4-5 of each byte.
     const __m512i up_a = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  // s = 0, 1
     const __m512i down_b = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);  // s = 2, 3
-    __m512 acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < units; ++u) {
-      const uint8_t* b = row + u * kBytes;
-      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
-      __m512i scales[4], codes[4];
-      spread_scales16(_mm512_castsi256_si512(sc16), scales);
+    offset_kquant_dot<5, T>(row, units, kBytes, a, m0, out,
+                            [&](const uint8_t* b, __m256i& sc16, __m512i codes[4]) __attribute__((always_inline)) {
+      sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
       for (int h = 0; h < 2; ++h) {
         const __m512i l = _mm512_loadu_si512(b + 64 * h);
         const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
@@ -652,18 +664,8 @@ struct Q6_K : SuperTraits {
         codes[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), nibble),
                                            _mm512_and_si512(_mm512_srlv_epi16(q, down_b), two_bits));
       }
-      const float d = half(b + 208);
-      __m512i s[T];
-      ksum<T>(codes, scales, a, m0, u, s);
-      for (int t = 0; t < T; ++t) {
-        const float dx = a.d[(m0 + t) * a.d_stride + u];
-        // The codes are q + 32: take 32 * scale * (run sum) off, in the lower 8 lanes.
-        const __m256i offset = _mm256_slli_epi32(run_sums(sc16, a.sums + (m0 + t) * a.sums_stride + u * 16), 5);
-        const __m512i total = _mm512_sub_epi32(s[t], _mm512_zextsi256_si512(offset));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(d * dx), acc[t]);
-      }
-    }
-    for (int t = 0; t < T; ++t) out[t] = _mm512_reduce_add_ps(acc[t]);
+      return half(b + 208);
+    });
   }
 #endif
 };
@@ -692,10 +694,7 @@ struct IQ4_XS : SuperTraits {
   template <int T>
   static void dot(const uint8_t* row, int64_t units, const Activations& a, int64_t m0, float* out) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(
-        1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129), static_cast<char>(141), static_cast<char>(153),
-        static_cast<char>(166), static_cast<char>(181), static_cast<char>(197), static_cast<char>(217),
-        static_cast<char>(241)));
+    const __m512i table = shifted_values<kIQ4Values, 128>();
     const __m512i spread4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     __m512 acc[T];
     __m256 macc[T];

@@ -75,6 +75,30 @@ __attribute__((always_inline)) inline void broadcast_products(const __m512i (&co
   }
 }
 
+template <int G, int T>
+__attribute__((always_inline)) inline void set_zero(__m512i (&v)[G][T]) {
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < T; ++t) v[g][t] = _mm512_setzero_si512();
+}
+
+// The frame of the 16-row kernels: float sums acc[g][t] (lane r: row r of group g . x[m0 + t])
+// over the units of G groups of rows (group g at rows + g * group_bytes), unit(its G units, u,
+// acc) adding each unit's products; out[t][16 g + r] at the end.
+template <int G, int T, int Bytes, typename Unit>
+__attribute__((always_inline)) inline void over_units16(const uint8_t* rows, int64_t group_bytes, int64_t units,
+                                                        float out[][G * 16], Unit&& unit) {
+  __m512 acc[G][T];
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < T; ++t) acc[g][t] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* at[G];
+    for (int g = 0; g < G; ++g) at[g] = rows + g * group_bytes + u * Bytes;
+    unit(at, u, acc);
+  }
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(out[t] + g * 16, acc[g][t]);
+}
+
 // out[t] = the sum over pairs p < Pairs of (each row's two bytes at bytes + 32 p, widened to words,
 // signed or not) . (the two int16 activation sums at sums_of(t) + 2 p): the per-run terms of the
 // 16-row layouts (Q4_K's minimums, Q6_K's +32 offsets), two runs a VPDPWSSD.
@@ -147,12 +171,9 @@ struct GroupX16 {
     // KQuantX16): the second takes the high nibbles (Q4_0) or the odd chunks (Q8_0).
     constexpr int kHalves = G * T >= 8 ? 1 : 2;
     const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    __m512 acc[G][T];
-    for (int g = 0; g < G; ++g)
-      for (int t = 0; t < T; ++t) acc[g][t] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < units; ++u) {
-      const uint8_t* unit[G];
-      for (int g = 0; g < G; ++g) unit[g] = rows + g * group_bytes + u * kBytes;
+    over_units16<G, T, kBytes>(rows, group_bytes, units, out,
+                               [&](const uint8_t* const (&unit)[G], int64_t u, __m512 (&acc)[G][T])
+                                   __attribute__((always_inline)) {
       for (int b = 0; b < kGroupBlocks; ++b) {
         const int64_t block = u * kGroupBlocks + b;
         __m512i p[kHalves][G][T];
@@ -194,9 +215,7 @@ struct GroupX16 {
           }
         }
       }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int t = 0; t < T; ++t) _mm512_storeu_ps(out[t] + g * kRowsTogether, acc[g][t]);
+    });
   }
 #endif
 };
@@ -277,15 +296,11 @@ struct KQuantX16 {
     // (a VPDPBUSD takes 4 cycles to its result and the core starts one a cycle).
     constexpr int kHalves = G * T >= 8 ? 1 : 2;
     const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
-    __m512 acc[G][T];
-    for (int g = 0; g < G; ++g)
-      for (int t = 0; t < T; ++t) acc[g][t] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < units; ++u) {
-      const uint8_t* unit[G];
-      for (int g = 0; g < G; ++g) unit[g] = rows + g * group_bytes + u * kBytes;
+    over_units16<G, T, kBytes>(rows, group_bytes, units, out,
+                               [&](const uint8_t* const (&unit)[G], int64_t u, __m512 (&acc)[G][T])
+                                   __attribute__((always_inline)) {
       __m512i sums[G][T];  // the unit's sum over runs of scale * (codes . x codes)
-      for (int g = 0; g < G; ++g)
-        for (int t = 0; t < T; ++t) sums[g][t] = _mm512_setzero_si512();
+      set_zero(sums);
 #pragma GCC unroll 8
       for (int run = 0; run < 8; ++run) {
         __m512i p[kHalves][G][T];
@@ -330,9 +345,7 @@ struct KQuantX16 {
           acc[g][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dmin, dx), acc[g][t]);
         }
       }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int t = 0; t < T; ++t) _mm512_storeu_ps(out[t] + g * kRowsTogether, acc[g][t]);
+    });
   }
 #endif
 };
@@ -383,10 +396,7 @@ struct IQ4_XSx8 {
                          float out[][kRows]) {
     static_assert(G == 1, "one group of 8 rows a call");
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(
-        1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129), static_cast<char>(141), static_cast<char>(153),
-        static_cast<char>(166), static_cast<char>(181), static_cast<char>(197), static_cast<char>(217),
-        static_cast<char>(241)));  // kIQ4Values + 128
+    const __m512i table = shifted_values<kIQ4Values, 128>();
     __m512 acc[T];
     for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t u = 0; u < units; ++u) {
@@ -471,15 +481,11 @@ struct Q6_Kx16 {
                          float out[][G * kRowsTogether]) {
     constexpr int kHalves = G * T >= 8 ? 1 : 2;  // independent VPDPBUSD chains (see KQuantX16)
     const __m512i nibble = _mm512_set1_epi8(0x0F), bits = _mm512_set1_epi8(0x30);
-    __m512 acc[G][T];
-    for (int g = 0; g < G; ++g)
-      for (int t = 0; t < T; ++t) acc[g][t] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < units; ++u) {
-      const uint8_t* unit[G];
-      for (int g = 0; g < G; ++g) unit[g] = rows + g * group_bytes + u * kBytes;
+    over_units16<G, T, kBytes>(rows, group_bytes, units, out,
+                               [&](const uint8_t* const (&unit)[G], int64_t u, __m512 (&acc)[G][T])
+                                   __attribute__((always_inline)) {
       __m512i sums[G][T];  // the unit's sum over runs of scale * (codes . x codes)
-      for (int g = 0; g < G; ++g)
-        for (int t = 0; t < T; ++t) sums[g][t] = _mm512_setzero_si512();
+      set_zero(sums);
       static_for<8>([&](auto q) __attribute__((always_inline)) {  // values 32 q ..: runs 2 q, 2 q + 1
         constexpr int quarter = decltype(q)::value, h = quarter / 4, s = quarter % 4;
         __m512i scale[2][G];  // the runs' scales, dwords (lane r: row r's)
@@ -540,9 +546,7 @@ struct Q6_Kx16 {
                                       _mm512_mul_ps(d, _mm512_set1_ps(a.d[(m0 + t) * a.d_stride + u])), acc[g][t]);
         }
       }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int t = 0; t < T; ++t) _mm512_storeu_ps(out[t] + g * kRowsTogether, acc[g][t]);
+    });
   }
 #endif
 };

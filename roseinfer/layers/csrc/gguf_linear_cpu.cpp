@@ -50,30 +50,23 @@ constexpr int64_t kTaskBytes = int64_t{512} << 10;
 // Without panels: weight rows expanded to float32 at once for a matrix product (~2 MiB at K = 2048).
 constexpr int64_t kExpandRows = 256;
 
-// Rows a layout keeps side by side: the interleaved ones (which name their Row layout) say how
-// many, else 1.
+// Rows a layout keeps side by side and groups of them a kernel call takes: the interleaved layouts
+// (which name their Row layout) say, the row layouts keep 1 and take 1.
 template <typename Tr, typename = void>
-struct Interleaved : std::false_type {};
+struct Together {
+  static constexpr int64_t rows = 1, groups = 1;
+};
 template <typename Tr>
-struct Interleaved<Tr, std::void_t<typename Tr::Row>> : std::true_type {};
-
+struct Together<Tr, std::void_t<typename Tr::Row>> {
+  static constexpr int64_t rows = Tr::kRowsTogether, groups = Tr::kGroups;
+};
+template <typename Tr>
+constexpr bool interleaved() {
+  return Together<Tr>::rows > 1;
+}
 template <typename Tr>
 constexpr int64_t rows_together() {
-  if constexpr (Interleaved<Tr>::value) {
-    return Tr::kRowsTogether;
-  } else {
-    return 1;
-  }
-}
-
-// Groups of rows_together() rows an interleaved kernel call takes.
-template <typename Tr>
-constexpr int64_t groups_at_once() {
-  if constexpr (Interleaved<Tr>::value) {
-    return Tr::kGroups;
-  } else {
-    return 1;
-  }
+  return Together<Tr>::rows;
 }
 
 template <typename Tr>
@@ -183,7 +176,7 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, Activatio
         int8_t* q = buf.q.data() + m * padded + u * 256;
         int16_t* sums = buf.sums.data() + i * 16;
         const float scale = amax > 0.0f ? 127.0f / amax : 0.0f;
-        if constexpr (Interleaved<Tr>::value) {  // natural order: the codes go straight in place
+        if constexpr (interleaved<Tr>()) {  // natural order: the codes go straight in place
           quantize_run(xu, 256, scale, q);
           for (int r = 0; r < 16; ++r) sums[r] = static_cast<int16_t>(sum16(q + 16 * r));
         } else {
@@ -216,7 +209,7 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, Activatio
         const int first = static_cast<int>(b % kGroupBlocks) * 32;
         int sum = 0;
         const float scale = amax > 0.0f ? 127.0f / amax : 0.0f;
-        if constexpr (Interleaved<Tr>::value) {  // natural order: the codes go straight in place
+        if constexpr (interleaved<Tr>()) {  // natural order: the codes go straight in place
           quantize_run(xb, 32, scale, q + first);
           sum = sum16(q + first) + sum16(q + first + 16);
         } else {
@@ -322,7 +315,7 @@ template <typename Tr>
 void dot_matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int64_t ldo) {
   thread_local ActivationBuffers buffers;
   const Activations a = quantize_activations<Tr>(x, M, K, buffers);  // read by the pool's threads
-  const int64_t units = units_of<Tr>(K), together = rows_together<Tr>() * groups_at_once<Tr>();
+  const int64_t units = units_of<Tr>(K), together = rows_together<Tr>() * Together<Tr>::groups;
   const int64_t step = std::max<int64_t>(1, grain(N) / together) * together, tasks = (N + step - 1) / step;
   run_tasks(tasks, [&](int64_t t) { dot_rows<Tr>(a, M, units, w, t * step, std::min(N, (t + 1) * step), out, ldo); });
 }

@@ -1,4 +1,5 @@
-// A whole decode step of a Llama-family, Gemma 2/3 or mixture-of-experts model in one C++ call, on the CPU.
+// A whole decode step of a pre-norm decoder (Llama, Qwen, Mistral, Gemma 2/3, mixtures of experts)
+// in one C++ call, on the CPU.
 //
 // Run op by op from Python, a 30-layer model's decode step is ~400 PyTorch operations, and at a
 // few tokens per step their dispatch costs more than their arithmetic (about 5 ms of a token).
@@ -6,12 +7,16 @@
 // looked up: per layer RMSNorm, the q/k/v projection (+ biases, Qwen2; + q/k RMSNorm, Qwen3),
 // rotary on adjacent pairs, the new K/V written to their slots, paged attention
 // (paged_attention_cpu.cpp), the output projection, the residual, RMSNorm, gate/up, SiLU * up,
-// down, the residual; then the final norm and the LM head. Gemma's differences are per-layer
-// fields: its own attention scale, sliding window, score soft-cap and rotary table, norms of the
-// attention's and the MLP's outputs, GeGLU for SwiGLU; and its embeddings times sqrt(hidden). A
-// mixture-of-experts layer (Mixtral, Qwen2/3-MoE, OLMoE) has a router and experts for its MLP:
-// each row's top-k experts run over the rows that chose them (on GGUF blocks, all of a step's
-// chosen experts' products in one parallel region).
+// down, the residual; then the final norm and the LM head.
+//
+// A layer is built from the features its description names (models/fused_decode.py:
+// DecodeLayerSpec), one setter each, not from flags of a family: add_layer gives the attention
+// core (norms, q/k/v and output projections, scale, rotary table); then, where the layer has them,
+// a KV cache group, a sliding window, a soft-cap of the scores, norms of q and k (per head, or over
+// all heads), norms of the attention's and the MLP's outputs, and its MLP: gated (SwiGLU or GeGLU,
+// its own width) or a mixture of experts (each row's top-k experts run over the rows that chose
+// them; on GGUF blocks all of a step's chosen experts' products in one parallel region). Per model:
+// a factor of the embeddings.
 //
 // The activations are float32, or bfloat16 for a bfloat16 model, rounded where the op-by-op path
 // rounds them: every step calls the same row functions (cpu_kernels.h) and the same linear
@@ -31,6 +36,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -150,18 +156,39 @@ struct SparseMlp {
   int64_t shared_intermediate = 0;                         // 0: no shared expert
 };
 
-struct Layer {
-  torch::Tensor attn_norm, q_norm, k_norm, mlp_norm;  // q_norm, k_norm: Qwen3, Gemma 3
-  torch::Tensor attn_out_norm, mlp_out_norm;          // Gemma: norms of the sub-layers' outputs, or undefined
-  bool qk_norm_over_all_heads = false;  // OLMoE: one norm over all of q (and of k), not one per head
-  DecodeLinear qkv, o, gate_up, down;  // gate_up, down: a dense MLP's, or undefined (experts)
-  std::optional<SparseMlp> experts;
-  float scale = 0.0f;    // of the attention scores
-  int64_t window = 0;    // sliding window, 0: none
-  float softcap = 0.0f;  // of the attention scores (Gemma 2), 0: none
+// A gated MLP: down(activation(gate) * up), gate and up rows in one matrix.
+struct GatedMlp {
+  DecodeLinear gate_up, down;  // [2 * intermediate, hidden], [hidden, intermediate]
+  int64_t intermediate = 0;
+  bool gelu = false;  // GeGLU (GELU, tanh approximation) rather than SwiGLU
+};
+
+// RMSNorms of q and k before rotary: one per head, or one over all of q (and of k).
+struct QkNorm {
+  torch::Tensor q, k;
+  bool over_all_heads = false;
+};
+
+// RMSNorms of the attention's and the MLP's outputs before their residual adds.
+struct PostNorms {
+  torch::Tensor attention, mlp;
+};
+
+struct Attention {
+  DecodeLinear qkv, o;
+  float scale = 0.0f;    // of the scores
   int64_t rotary = 0;    // which of the step's rotation tables q and k rotate with
   int64_t kv_group = 0;  // which of the step's block tables / slot mappings its pool is read through
-  bool gelu = false;     // GeGLU (GELU, tanh approximation) rather than SwiGLU
+  int64_t window = 0;    // sliding window, 0: none
+  float softcap = 0.0f;  // of the scores, 0: none
+  std::optional<QkNorm> qk_norm;
+};
+
+struct Layer {
+  torch::Tensor input_norm, mlp_norm;
+  Attention attention;
+  std::optional<PostNorms> post_norms;
+  std::variant<std::monostate, GatedMlp, SparseMlp> mlp;  // monostate: not given yet
 };
 
 // Each row's chosen experts and their weights (as the activations' dtype rounds them): softmax over
@@ -204,71 +231,105 @@ void add_weighted(T* out, const T* y, float weight, int64_t hidden) {
   }
 }
 
-// x [rows, dim] normed by `weight` (Gemma's norm of a sub-layer's output) into `scratch`, which
-// is returned; x itself where there is no such norm (undefined weight).
+// x [rows, dim] normed by `weight` (a norm of a sub-layer's output) into `scratch`, which is returned.
 template <typename T>
 const T* output_norm(const torch::Tensor& weight, const T* x, T* scratch, int64_t rows, int64_t dim, float eps) {
-  if (!weight.defined()) return x;
   roseinfer::norm_rows_in_parallel(x, weight.data_ptr<T>(), scratch, rows, dim, eps);
   return scratch;
 }
 
 }  // namespace
 
-class LlamaDecoder {
+class DecoderStep {
  public:
   // vocab: the LM head's rows (this rank's). final_norm's dtype is the activations' (float32 or
-  // bfloat16); the layers' tensors: see LlamaDecoder in models/fused_decode.py.
-  // A layer's attention and MLP parameters: (scale, sliding window or 0, score soft-cap or 0,
-  // index of its rotation table, activation "silu" | "gelu_tanh").
-  using LayerParams = std::tuple<double, int64_t, double, int64_t, std::string>;
-  // (attn_norm, q_norm or None, k_norm or None, mlp_norm, qkv, o, gate_up, down, attn_out_norm or
-  // None, mlp_out_norm or None, params): see models/fused_decode.py.
-  using LayerSpec = std::tuple<torch::Tensor, OptTensor, OptTensor, torch::Tensor, LinearSpec, LinearSpec, LinearSpec,
-                               LinearSpec, OptTensor, OptTensor, LayerParams>;
-
-  // embedding_scale: the token embeddings' factor, already rounded to the activations' dtype
-  // (Gemma), or 0: none.
-  LlamaDecoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, int64_t vocab,
-               double eps, torch::Tensor final_norm, LinearSpec head, std::vector<LayerSpec> layers,
-               double embedding_scale)
-      : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate),
+  // bfloat16). embedding_scale: the token embeddings' factor, already rounded to the activations'
+  // dtype, or 0: none.
+  DecoderStep(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t vocab, double eps,
+              torch::Tensor final_norm, LinearSpec head, double embedding_scale)
+      : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
         embedding_scale_(static_cast<float>(embedding_scale)), eps_(static_cast<float>(eps)),
         dtype_(final_norm.scalar_type()) {
     TORCH_CHECK(dtype_ == torch::kFloat || dtype_ == torch::kBFloat16, "activations must be float32 or bfloat16, not ",
                 dtype_);
     final_norm_ = final_norm.contiguous();
-    const int64_t qkv_size = (heads + 2 * kv_heads) * head_dim;
     head_ = DecodeLinear(head, vocab, hidden, dtype_, "the LM head");
-    auto norm = [&](const torch::Tensor& t) { return t.contiguous().to(dtype_); };
-    for (const auto& spec : layers) {
-      const auto& [attn_norm, q_norm, k_norm, mlp_norm, qkv, o, gate_up, down, attn_out_norm, mlp_out_norm, params] =
-          spec;
-      Layer layer;
-      layer.attn_norm = norm(attn_norm);
-      TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "a q norm needs a k norm, and a k norm a q norm");
-      if (q_norm) layer.q_norm = norm(*q_norm);
-      if (k_norm) layer.k_norm = norm(*k_norm);
-      layer.mlp_norm = norm(mlp_norm);
-      if (attn_out_norm) layer.attn_out_norm = norm(*attn_out_norm);
-      if (mlp_out_norm) layer.mlp_out_norm = norm(*mlp_out_norm);
-      set_params(layer, params);
-      layer.qkv = DecodeLinear(qkv, qkv_size, hidden, dtype_, "qkv_proj");
-      layer.o = DecodeLinear(o, hidden, heads * head_dim, dtype_, "o_proj");
-      if (!std::get<0>(gate_up).empty()) {  // else a sparse MLP, given by set_sparse_mlp
-        layer.gate_up = DecodeLinear(gate_up, 2 * intermediate, hidden, dtype_, "gate_up_proj");
-        layer.down = DecodeLinear(down, hidden, intermediate, dtype_, "down_proj");
-      }
-      layers_.push_back(std::move(layer));
-    }
+  }
+
+  // The next layer's attention core: its input and MLP norms (the MLP norm before its MLP), the q/k/v
+  // and output projections, the scores' scale and the index of its rotation table. -> its index.
+  int64_t add_layer(torch::Tensor input_norm, LinearSpec qkv, LinearSpec o, torch::Tensor mlp_norm, double scale,
+                    int64_t rotary) {
+    TORCH_CHECK(scale > 0, "attention scale ", scale, ": the scale must be positive");
+    TORCH_CHECK(rotary >= 0, "a rotation table's index cannot be negative");
+    Layer layer;
+    layer.input_norm = norm(input_norm);
+    layer.mlp_norm = norm(mlp_norm);
+    Attention& attention = layer.attention;
+    attention.qkv = DecodeLinear(qkv, (heads_ + 2 * kv_heads_) * head_dim_, hidden_, dtype_, "qkv_proj");
+    attention.o = DecodeLinear(o, hidden_, heads_ * head_dim_, dtype_, "o_proj");
+    attention.scale = static_cast<float>(scale);
+    attention.rotary = rotary;
+    rotary_tables_ = std::max(rotary_tables_, rotary + 1);
+    layers_.push_back(std::move(layer));
+    return static_cast<int64_t>(layers_.size()) - 1;
+  }
+
+  // Layer `index`'s pool belongs to KV cache group `group` (common/kv_cache_spec.py: a model with
+  // full and sliding-window layers keeps one pool, block table and slot mapping per kind).
+  void set_kv_group(int64_t index, int64_t group) {
+    TORCH_CHECK(group >= 0, "a KV cache group's index cannot be negative");
+    layer(index).attention.kv_group = group;
+    kv_groups_ = std::max(kv_groups_, group + 1);
+  }
+
+  // Layer `index` attends to its last `window` positions only.
+  void set_sliding_window(int64_t index, int64_t window) {
+    TORCH_CHECK(window > 0, "a sliding window must be positive, not ", window);
+    layer(index).attention.window = window;
+  }
+
+  // Layer `index`'s scores are soft-capped: cap * tanh(score / cap).
+  void set_score_softcap(int64_t index, double cap) {
+    TORCH_CHECK(cap > 0, "a soft-cap must be positive, not ", cap);
+    layer(index).attention.softcap = static_cast<float>(cap);
+  }
+
+  // Layer `index` norms q and k before rotary: one norm per head, or over all heads (a norm of all
+  // of q, and of all of k).
+  void set_qk_norm(int64_t index, torch::Tensor q, torch::Tensor k, bool over_all_heads) {
+    const int64_t q_width = over_all_heads ? heads_ * head_dim_ : head_dim_;
+    const int64_t k_width = over_all_heads ? kv_heads_ * head_dim_ : head_dim_;
+    TORCH_CHECK(q.numel() == q_width && k.numel() == k_width, "q/k norms of ", q.numel(), " and ", k.numel(),
+                " values, not ", q_width, " and ", k_width);
+    layer(index).attention.qk_norm = QkNorm{norm(q), norm(k), over_all_heads};
+  }
+
+  // Layer `index` norms the attention's and the MLP's outputs before their residual adds.
+  void set_post_norms(int64_t index, torch::Tensor attention, torch::Tensor mlp) {
+    layer(index).post_norms = PostNorms{norm(attention), norm(mlp)};
+  }
+
+  // Layer `index`'s MLP is gated: down(activation(gate) * up), activation "silu" | "gelu_tanh".
+  void set_gated_mlp(int64_t index, LinearSpec gate_up, LinearSpec down, int64_t intermediate,
+                     const std::string& activation) {
+    TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "activation ", activation,
+                ": the fused step has silu and gelu_tanh");
+    TORCH_CHECK(intermediate > 0, "an MLP's width must be positive");
+    GatedMlp mlp;
+    mlp.gate_up = DecodeLinear(gate_up, 2 * intermediate, hidden_, dtype_, "gate_up_proj");
+    mlp.down = DecodeLinear(down, hidden_, intermediate, dtype_, "down_proj");
+    mlp.intermediate = intermediate;
+    mlp.gelu = activation == "gelu_tanh";
+    layer(index).mlp = std::move(mlp);
   }
 
   // Layer `index`'s MLP is a mixture of experts (see SparseMlp); shared: (gate_up, down, gate,
   // intermediate) of a shared expert.
   using SharedExpertSpec = std::tuple<LinearSpec, LinearSpec, LinearSpec, int64_t>;
-  void set_sparse_mlp(int64_t index, LinearSpec router, std::vector<LinearSpec> gate_ups, std::vector<LinearSpec> downs,
-                      int64_t top_k, bool normalize, int64_t intermediate, std::optional<SharedExpertSpec> shared) {
-    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "no layer ", index);
+  void set_experts(int64_t index, LinearSpec router, std::vector<LinearSpec> gate_ups, std::vector<LinearSpec> downs,
+                   int64_t top_k, bool normalize, int64_t intermediate, std::optional<SharedExpertSpec> shared) {
+    Layer& target = layer(index);
     const int64_t experts = static_cast<int64_t>(gate_ups.size());
     TORCH_CHECK(experts > 0 && downs.size() == gate_ups.size(), "one gate_up and one down per expert");
     TORCH_CHECK(top_k > 0 && top_k <= experts, "top_k must be in 1 .. ", experts, ", not ", top_k);
@@ -293,22 +354,7 @@ class LlamaDecoder {
       mlp.shared_gate = DecodeLinear(gate, 1, hidden_, dtype_, "the shared expert's gate");
       mlp.shared_intermediate = width;
     }
-    layers_[index].experts = std::move(mlp);
-  }
-
-  void set_qk_norm_over_all_heads(int64_t index) {
-    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "no layer ", index);
-    TORCH_CHECK(layers_[index].q_norm.defined(), "layer ", index, " has no q/k norms");
-    layers_[index].qk_norm_over_all_heads = true;
-  }
-
-  // Layer `index`'s pool belongs to KV cache group `group` (common/kv_cache_spec.py: a model with
-  // full and sliding-window layers keeps one pool, block table and slot mapping per kind).
-  void set_kv_group(int64_t index, int64_t group) {
-    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "no layer ", index);
-    TORCH_CHECK(group >= 0, "a KV cache group's index cannot be negative");
-    layers_[index].kv_group = group;
-    kv_groups_ = std::max(kv_groups_, group + 1);
+    target.mlp = std::move(mlp);
   }
 
   // How many rotation tables forward takes: one per index the layers name.
@@ -331,7 +377,7 @@ class LlamaDecoder {
                 "one slot mapping and one block table per KV cache group (", kv_groups_, "), not ",
                 slot_mappings.size(), " and ", block_tables.size());
     for (size_t l = 0; l < layers_.size(); ++l)
-      TORCH_CHECK(layers_[l].experts || layers_[l].gate_up.N, "layer ", l, " has no MLP");
+      TORCH_CHECK(!std::holds_alternative<std::monostate>(layers_[l].mlp), "layer ", l, " has no MLP");
     embedded = embedded.contiguous();
     TORCH_CHECK(embedded.scalar_type() == dtype_ && embedded.dim() == 2 && embedded.size(1) == hidden_,
                 "embedded: [B, hidden] of the model's dtype (", dtype_, ")");
@@ -364,7 +410,10 @@ class LlamaDecoder {
 
   template <typename T>
   torch::Tensor run(const torch::Tensor& embedded, const Step& step, const std::vector<torch::Tensor>& kv_caches) {
-    const int64_t B = embedded.size(0), H = hidden_, D = head_dim_, I = intermediate_;
+    const int64_t B = embedded.size(0), H = hidden_, D = head_dim_;
+    int64_t I = 0;  // the widest gated MLP's width
+    for (const Layer& layer : layers_)
+      if (const auto* gated = std::get_if<GatedMlp>(&layer.mlp)) I = std::max(I, gated->intermediate);
     const int64_t q_size = heads_ * D, kv_size = kv_heads_ * D, qkv_size = q_size + 2 * kv_size;
     const T* rows = embedded.data_ptr<T>();
     std::vector<T> residual(rows, rows + B * H), normed(B * H), qkv(B * qkv_size), attn(B * q_size),
@@ -374,46 +423,50 @@ class LlamaDecoder {
     const T* layer_out = out.data();  // the previous layer's output (its MLP's, normed or not)
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
+      const Attention& attention = layer.attention;
+      const PostNorms* post = layer.post_norms ? &*layer.post_norms : nullptr;
       if (l == 0) {
-        roseinfer::norm_rows_in_parallel(residual.data(), layer.attn_norm.data_ptr<T>(), normed.data(), B, H, eps_);
+        roseinfer::norm_rows_in_parallel(residual.data(), layer.input_norm.data_ptr<T>(), normed.data(), B, H, eps_);
       } else {
-        roseinfer::add_and_norm_rows_in_parallel(residual.data(), layer_out, layer.attn_norm.data_ptr<T>(),
+        roseinfer::add_and_norm_rows_in_parallel(residual.data(), layer_out, layer.input_norm.data_ptr<T>(),
                                                  normed.data(), B, H, eps_);
       }
-      layer.qkv.apply(normed.data(), B, qkv.data(), xs, os);
+      attention.qkv.apply(normed.data(), B, qkv.data(), xs, os);
       at::parallel_for(0, B, roseinfer::kNormRowsPerTask, [&](int64_t begin, int64_t end) {
-        std::vector<T> copy(layer.q_norm.defined() ? q_size : 0);
+        const QkNorm* qk_norm = attention.qk_norm ? &*attention.qk_norm : nullptr;
+        std::vector<T> copy(qk_norm ? q_size : 0);
         for (int64_t b = begin; b < end; ++b) {
           T* q = qkv.data() + b * qkv_size;
           T* k = q + q_size;
-          if (layer.q_norm.defined()) {  // norm_rows does not work in place: through a copy
+          if (qk_norm) {  // norm_rows does not work in place: through a copy
             std::memcpy(copy.data(), q, q_size * sizeof(T));
-            const bool whole = layer.qk_norm_over_all_heads;  // one row of all heads, or a row per head
-            roseinfer::norm_rows<T>(copy.data(), layer.q_norm.data_ptr<T>(), q, 0, whole ? 1 : heads_,
+            const bool whole = qk_norm->over_all_heads;  // one row of all heads, or a row per head
+            roseinfer::norm_rows<T>(copy.data(), qk_norm->q.data_ptr<T>(), q, 0, whole ? 1 : heads_,
                                     whole ? q_size : D, eps_);
             std::memcpy(copy.data(), k, kv_size * sizeof(T));
-            roseinfer::norm_rows<T>(copy.data(), layer.k_norm.data_ptr<T>(), k, 0, whole ? 1 : kv_heads_,
+            roseinfer::norm_rows<T>(copy.data(), qk_norm->k.data_ptr<T>(), k, 0, whole ? 1 : kv_heads_,
                                     whole ? kv_size : D, eps_);
           }
-          const float* rotation = step.rotations[layer.rotary] + b * D;
+          const float* rotation = step.rotations[attention.rotary] + b * D;
           roseinfer::rotate_heads(q, heads_, D, rotation);
           roseinfer::rotate_heads(k, kv_heads_, D, rotation);
         }
       });
-      attend(qkv.data(), attn.data(), B, kv_caches[l], step, layer);
-      layer.o.apply(attn.data(), B, out.data(), xs, os);
+      attend(qkv.data(), attn.data(), B, kv_caches[l], step, attention);
+      attention.o.apply(attn.data(), B, out.data(), xs, os);
       // normed is free here (the projections have read it): the scratch of the output norms.
-      roseinfer::add_and_norm_rows_in_parallel(residual.data(),
-                                               output_norm(layer.attn_out_norm, out.data(), normed.data(), B, H, eps_),
-                                               layer.mlp_norm.data_ptr<T>(), normed.data(), B, H, eps_);
-      if (layer.experts) {
-        sparse_mlp(*layer.experts, normed.data(), B, out.data(), xs, os);
+      const T* attention_out = post ? output_norm(post->attention, out.data(), normed.data(), B, H, eps_) : out.data();
+      roseinfer::add_and_norm_rows_in_parallel(residual.data(), attention_out, layer.mlp_norm.data_ptr<T>(),
+                                               normed.data(), B, H, eps_);
+      if (const auto* experts = std::get_if<SparseMlp>(&layer.mlp)) {
+        sparse_mlp(*experts, normed.data(), B, out.data(), xs, os);
       } else {
-        layer.gate_up.apply(normed.data(), B, mlp.data(), xs, os);
-        roseinfer::gated_activation_in_parallel(mlp.data(), act.data(), I, B, layer.gelu);
-        layer.down.apply(act.data(), B, out.data(), xs, os);
+        const GatedMlp& gated = std::get<GatedMlp>(layer.mlp);
+        gated.gate_up.apply(normed.data(), B, mlp.data(), xs, os);
+        roseinfer::gated_activation_in_parallel(mlp.data(), act.data(), gated.intermediate, B, gated.gelu);
+        gated.down.apply(act.data(), B, out.data(), xs, os);
       }
-      layer_out = output_norm(layer.mlp_out_norm, out.data(), normed.data(), B, H, eps_);
+      layer_out = post ? output_norm(post->mlp, out.data(), normed.data(), B, H, eps_) : out.data();
     }
     roseinfer::add_and_norm_rows_in_parallel(residual.data(), layer_out, final_norm_.data_ptr<T>(), normed.data(), B,
                                              H, eps_);
@@ -563,10 +616,11 @@ class LlamaDecoder {
   // Each row's new key and value written to its slot, then its attention over the pool: qkv [B,
   // q | k | v] -> out [B, q_size].
   template <typename T>
-  void attend(const T* qkv, T* out, int64_t B, const torch::Tensor& pool, const Step& step, const Layer& layer) const {
+  void attend(const T* qkv, T* out, int64_t B, const torch::Tensor& pool, const Step& step,
+              const Attention& attention) const {
     const int64_t D = head_dim_, q_size = heads_ * D, kv_size = kv_heads_ * D, qkv_size = q_size + 2 * kv_size;
-    const torch::Tensor& group_tables = step.tables[layer.kv_group];
-    const int64_t* slots = step.slots[layer.kv_group].data_ptr<int64_t>();
+    const torch::Tensor& group_tables = step.tables[attention.kv_group];
+    const int64_t* slots = step.slots[attention.kv_group].data_ptr<int64_t>();
     const int64_t* tables = group_tables.data_ptr<int64_t>();
     const int64_t* lens = step.lens.data_ptr<int64_t>();
     const int64_t max_blocks = group_tables.size(1), block_size = pool.size(2), pool_half = pool.numel() / 2;
@@ -589,8 +643,8 @@ class LlamaDecoder {
           }
           roseinfer::paged_attention_heads<T, cache_t>(qkv + b * qkv_size, keys, keys + pool_half,
                                                        tables + b * max_blocks, lens[b], heads_, kv_heads_, first,
-                                                       last, block_size, D, layer.scale, out + b * q_size, scores,
-                                                       work, layer.window, layer.softcap);
+                                                       last, block_size, D, attention.scale, out + b * q_size,
+                                                       scores, work, attention.window, attention.softcap);
         }
       });
     };
@@ -605,21 +659,13 @@ class LlamaDecoder {
     TORCH_CHECK(false, "a ", kDtype<T>, " model's KV pool cannot be ", type);
   }
 
-  // Checks and sets a layer's attention and activation parameters.
-  void set_params(Layer& layer, const LayerParams& params) {
-    const auto& [scale, window, softcap, rotary, activation] = params;
-    TORCH_CHECK(scale > 0 && window >= 0 && softcap >= 0, "attention scale ", scale, ", window ", window,
-                ", soft-cap ", softcap, ": the scale must be positive, the others not negative");
-    TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "activation ", activation,
-                ": the fused step has silu and gelu_tanh");
-    TORCH_CHECK(rotary >= 0, "a rotation table's index cannot be negative");
-    layer.scale = static_cast<float>(scale);
-    layer.window = window;
-    layer.softcap = static_cast<float>(softcap);
-    layer.rotary = rotary;
-    layer.gelu = activation == "gelu_tanh";
-    rotary_tables_ = std::max(rotary_tables_, rotary + 1);
+  Layer& layer(int64_t index) {
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "no layer ", index);
+    return layers_[index];
   }
+
+  // A norm's weights as the activations' dtype.
+  torch::Tensor norm(const torch::Tensor& weight) const { return weight.contiguous().to(dtype_); }
 
   // In place: x *= the embedding scale, in the activations' dtype (as `embedded * scale` in
   // PyTorch, the scale already of that dtype).
@@ -631,7 +677,7 @@ class LlamaDecoder {
     });
   }
 
-  int64_t hidden_, heads_, kv_heads_, head_dim_, intermediate_;
+  int64_t hidden_, heads_, kv_heads_, head_dim_;
   float embedding_scale_;  // Gemma's sqrt(hidden), of the activations' dtype; 0: none
   int64_t rotary_tables_ = 0;
   int64_t kv_groups_ = 1;  // one more than the highest group a layer names
@@ -642,14 +688,17 @@ class LlamaDecoder {
   std::vector<Layer> layers_;
 };
 
-void bind_llama_decoder(pybind11::module& m) {
-  pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, LinearSpec,
-                          std::vector<LlamaDecoder::LayerSpec>, double>())
-      .def("set_kv_group", &LlamaDecoder::set_kv_group, "a layer's KV pool is read through a group's tables")
-      .def("rotary_tables", &LlamaDecoder::rotary_tables, "how many rotation tensors forward takes")
-      .def("set_sparse_mlp", &LlamaDecoder::set_sparse_mlp, "a layer's MLP is a mixture of experts")
-      .def("set_qk_norm_over_all_heads", &LlamaDecoder::set_qk_norm_over_all_heads,
-           "a layer's q/k norms each span all heads (OLMoE)")
-      .def("forward", &LlamaDecoder::forward, "one decode step: token embeddings -> logits (see the source's header)");
+void bind_decoder_step(pybind11::module& m) {
+  pybind11::class_<DecoderStep>(m, "DecoderStep")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, LinearSpec, double>())
+      .def("add_layer", &DecoderStep::add_layer, "the next layer's attention core; -> its index")
+      .def("set_kv_group", &DecoderStep::set_kv_group, "a layer's KV pool is read through a group's tables")
+      .def("set_sliding_window", &DecoderStep::set_sliding_window, "a layer attends to its last positions only")
+      .def("set_score_softcap", &DecoderStep::set_score_softcap, "a layer soft-caps its attention scores")
+      .def("set_qk_norm", &DecoderStep::set_qk_norm, "a layer norms q and k, per head or over all heads")
+      .def("set_post_norms", &DecoderStep::set_post_norms, "a layer norms its attention's and MLP's outputs")
+      .def("set_gated_mlp", &DecoderStep::set_gated_mlp, "a layer's MLP is gated (SwiGLU or GeGLU)")
+      .def("set_experts", &DecoderStep::set_experts, "a layer's MLP is a mixture of experts")
+      .def("rotary_tables", &DecoderStep::rotary_tables, "how many rotation tensors forward takes")
+      .def("forward", &DecoderStep::forward, "one decode step: token embeddings -> logits (see the source's header)");
 }
