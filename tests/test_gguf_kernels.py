@@ -103,7 +103,7 @@ def test_small_batches_multiply_8_bit_activations(name, weight_rows, rows):
     assert relative_error(out, x.double().numpy() @ values.astype(np.float64).T) < 0.03
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "MXFP4"])
 @pytest.mark.parametrize("weight_rows", ROW_COUNTS)
 def test_large_batches_multiply_8_bit_or_bfloat16_inputs(name, weight_rows):
     """Past DOT_ROWS rows of x the interleaved layouts (VNNI builds) keep their 8-bit products;
@@ -132,6 +132,43 @@ def test_large_batches_over_long_rows_sum_the_row_in_slices(name, columns):
     x = torch.randn(DOT_ROWS + 8, columns, generator=torch.Generator().manual_seed(6))
     exact = kernels.gguf_linear(x, [packed], [kernel_type], None, True)
     assert relative_error(exact, x.double().numpy() @ values.T) < 5e-6
+
+
+def test_every_mxfp4_scale_expands_as_ggufs():
+    """MXFP4's E8M0 scale byte, all 256 of them (2^-128, subnormal, up to 2^127, whose largest
+    values overflow to infinity in gguf's float32 too), under every code, bit for bit."""
+    blocks = np.zeros((256, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(256)
+    codes = np.arange(16)
+    blocks[:, 1:] = (codes | (15 - codes) << 4).astype(np.uint8)  # every code, in both nibbles
+    rows = blocks.reshape(64, 4 * 17)  # 64 rows of 128 values
+    qtype = GGMLQuantizationType.MXFP4
+    with np.errstate(over="ignore"):
+        values = dequantize(rows, qtype).reshape(64, 128).astype(np.float32)
+    packed, kernel_type = kernels.gguf_pack(torch.from_numpy(rows), int(qtype), 128)
+    expanded = kernels.gguf_dequantize(packed, kernel_type, 128).numpy()
+    assert np.array_equal(expanded.view(np.uint32), values.view(np.uint32))
+
+
+def test_mxfp4_blocks_that_ggufs_own_quantizer_writes():
+    """Float weights quantized to MXFP4 by gguf-py (`gguf.quants.quantize`, the blocks a converter
+    writes): the kernels expand gguf's values, and their products (8-bit activations on VNNI
+    builds, decode and prefill batches) are those of the expanded weight."""
+    from gguf.quants import quantize
+
+    weights = np.random.default_rng(7).standard_normal((48, 512)).astype(np.float32) * 0.05
+    qtype = GGMLQuantizationType.MXFP4
+    raw = quantize(weights, qtype)
+    values = dequantize(raw, qtype).astype(np.float32)
+    assert np.abs(values - weights).max() < 0.25 * np.abs(weights).max()  # it is a quantization of them
+    packed, kernel_type = kernels.gguf_pack(torch.from_numpy(raw), int(qtype), 512)
+    assert np.array_equal(kernels.gguf_dequantize(packed, kernel_type, 512).numpy(), values)
+    for rows in (1, 4, DOT_ROWS + 9):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        exact = kernels.gguf_linear(x, [packed], [kernel_type], None, True)
+        assert relative_error(exact, x.double().numpy() @ values.astype(np.float64).T) < 2e-6
+        fast = kernels.gguf_linear(x, [packed], [kernel_type], None, False)
+        assert relative_error(fast, x.double().numpy() @ values.astype(np.float64).T) < 0.03
 
 
 def test_parts_of_different_types_stack_along_the_outputs_with_a_bias():
@@ -189,6 +226,9 @@ def test_bad_weights_are_named():
             kernels.gguf_linear(torch.randn(1, 768), [interleaved[:12]], [kernel_type], None, False)
     with pytest.raises(RuntimeError, match="GGML type 16 has no kernel"):
         kernels.gguf_row_bytes(16, 256)  # IQ2_XXS
+    from roseinfer.layers.quantization.gguf import supported_type_names
+
+    assert "MXFP4" in supported_type_names().split(", ")  # the list a load error names
 
 
 AVX2_CHECK = r"""

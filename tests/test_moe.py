@@ -249,3 +249,72 @@ def test_stacked_expert_tensors_load(tmp_path_factory, tmp_path):
     save_file(state, tmp_path / "stacked" / "model.safetensors")
     llm = LLM(str(tmp_path / "stacked"), num_kv_blocks=64, **EXACT)
     assert _greedy(llm, moe.prompts) == moe.expected
+
+
+def _with_mxfp4_experts(source: Path, output: Path, expanded: bool) -> Path:
+    """A copy of a GGUF file whose 3-D expert tensors (`ffn_*_exps`) are MXFP4, quantized by
+    gguf-py, as `llama-quantize ... MXFP4_MOE` keeps them (everything else as it was); with
+    `expanded`, those tensors as F32 of gguf's own MXFP4 values instead."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    reader = GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(str(output), arch=arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub_type)
+    mxfp4 = GGMLQuantizationType.MXFP4
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        if "_exps." in tensor.name:
+            assert tensor.tensor_type == GGMLQuantizationType.F32 and data.ndim == 3  # [experts, rows, columns]
+            blocks = quantize(data, mxfp4)
+            if expanded:
+                writer.add_tensor(tensor.name, dequantize(blocks, mxfp4).astype(np.float32))
+            else:
+                writer.add_tensor(tensor.name, blocks, raw_dtype=mxfp4)
+        else:
+            writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return output
+
+
+def test_experts_in_mxfp4_blocks(tmp_path_factory):
+    """Experts in MXFP4 (gpt-oss's type; files from `llama-quantize ... MXFP4_MOE`): exact
+    (--quantization none), the same tokens and log-probabilities as the same file with those experts
+    written as F32 of gguf's own MXFP4 values; in their own blocks, the fused step's grouped expert
+    products (all chosen experts' MXFP4 products in one parallel region) equal the op-by-op forward's
+    expert by expert."""
+    from gguf import GGMLQuantizationType
+
+    moe = built("qwen3_moe", tmp_path_factory)
+    root = tmp_path_factory.mktemp("mxfp4")
+    blocks = _with_mxfp4_experts(moe.gguf, root / "experts-mxfp4.gguf", expanded=False)
+    values = _with_mxfp4_experts(moe.gguf, root / "experts-mxfp4-values.gguf", expanded=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+    def run(path: Path, **options) -> list:
+        llm = LLM(str(path), num_kv_blocks=64, **options)
+        return [o.outputs[0] for o in llm.generate(prompt_token_ids=moe.prompts, sampling_params=params,
+                                                   use_tqdm=False)]
+
+    exact, reference = run(blocks, **EXACT), run(values, **EXACT)
+    for ours, theirs in zip(exact, reference, strict=True):
+        assert ours.token_ids == theirs.token_ids
+        for a, b in zip(ours.logprobs, theirs.logprobs, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-5 and [t for t, _ in a.top] == [t for t, _ in b.top]
+    own = LLM(str(blocks), num_kv_blocks=64)
+    experts = [m for m in own.engine.runner.model.modules() if isinstance(m, SparseMoeBlock)][0].experts
+    assert experts[0].gate_up_proj.qtypes == [GGMLQuantizationType.MXFP4]
+    assert experts[0].down_proj.qtypes == [GGMLQuantizationType.MXFP4]
+    assert own.engine.runner.fused_decoder is not None
+    worst, worst_kl = decode_logits_both_ways(own.engine, [[5, 9, 30, 31, 200], [7] * 20, [11, 12]], steps=4)
+    assert worst_kl < 1e-3, (worst, worst_kl)

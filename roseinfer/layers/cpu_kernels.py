@@ -7,7 +7,7 @@
   rotary embedding in place in one pass (PyTorch: four); the step's new keys and values stored
   in the pool in one pass (PyTorch: two index_copy_); SiLU(gate) * up in one pass (PyTorch: a
   SiLU, a product and a temporary); greedy sampling's argmax of each row of the logits.
-- Linear layers on GGUF-typed weights (Q4_0 ... Q6_K, IQ4_NL, IQ4_XS) in the file's own codes: one
+- Linear layers on GGUF-typed weights (Q4_0 ... Q6_K, IQ4_NL, IQ4_XS, MXFP4) in the file's own codes: one
   driver over per-type block traits (gguf_blocks.h, gguf_linear_cpu.cpp), 8-bit activations for
   small batches where the CPU has VNNI, weights expanded a panel at a time for large ones.
 - float32 and bfloat16 linear layers on CPUs with AVX-512 but no AMX (panel_linear_cpu.cpp):

@@ -66,6 +66,18 @@ inline uint32_t u32(const uint8_t* p) {
 
 constexpr std::array<int8_t, 16> kIQ4Values = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                1,    13,   25,  38,  53,  69,  89,  113};
+// MXFP4's E2M1 values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) doubled, so integers, as
+// gguf-py and ggml keep them; the block's scale is taken at half (e8m0_half) to match.
+constexpr std::array<int8_t, 16> kMXFP4Values = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// An E8M0 scale byte e (the scale 2^(e - 127)) at half: 2^(e - 128), bit for bit as gguf-py's
+// e8m0_to_fp32_half and ggml's ggml_e8m0_to_fp32_half (a subnormal below e = 2).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t{0x00200000} << e : static_cast<uint32_t>(e - 1) << 23;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
 
 #if ROSEINFER_GGUF_VNNI
 // A table of 16 signed values + Offset as unsigned bytes, in every 128-bit lane: VPSHUFB turns
@@ -112,10 +124,13 @@ struct Activations {
 // ------------------------------------------------------------------------------------------------
 // The repacked 32-value types. A group: codes (16 bytes a block for 4-bit types, 32 for Q8_0),
 // then for 5-bit types the high bits as two 64-bit masks (bit 16 b + j: value j, then value 16 + j,
-// of block b), then the 4 blocks' fp16 scales, then their fp16 minimums where the type has them.
+// of block b), then the 4 blocks' scales (fp16; MXFP4: one E8M0 byte each), then their fp16
+// minimums where the type has them.
 // ------------------------------------------------------------------------------------------------
 
-enum class Codes { kNibbles, kNibblesHigh, kInt8, kIQ4 };
+// Codes: 4-bit (Q4_0, Q4_1), 5-bit (Q5_0, Q5_1), int8 (Q8_0), 4-bit indices into a table of
+// values (IQ4_NL: kIQ4Values; MXFP4: kMXFP4Values, under an E8M0 scale).
+enum class Codes { kNibbles, kNibblesHigh, kInt8, kIQ4, kMXFP4 };
 
 template <int Type, Codes C, bool Min, int RawBytes>
 struct GroupTraits {
@@ -124,23 +139,35 @@ struct GroupTraits {
   static constexpr int kCodeBytes = C == Codes::kInt8 ? 128 : 64;
   static constexpr int kMaskOffset = kCodeBytes;
   static constexpr int kScaleOffset = kMaskOffset + (C == Codes::kNibblesHigh ? 16 : 0);
-  static constexpr int kMinOffset = kScaleOffset + 8;
+  static constexpr int kScaleBytes = C == Codes::kMXFP4 ? 1 : 2;  // E8M0, or fp16
+  static constexpr int kMinOffset = kScaleOffset + kGroupBlocks * kScaleBytes;
   static constexpr int kBytes = kMinOffset + (Min ? 8 : 0);
   static constexpr int kRawBlockBytes = RawBytes;
   static constexpr bool kSuperAct = false;
   static_assert(kBytes == kGroupBlocks * RawBytes, "a group is its 4 blocks' bytes, reordered");
-  // Unsigned code = w / scale (- minimum) + offset.
+  // Unsigned code = w / scale (- minimum) + offset. (MXFP4's values are in -12..12: an offset of
+  // 12 keeps the float correction of the dot as small as Q4_0's, where 128 made it 10x the sum.)
   static constexpr int kOffset = C == Codes::kNibbles ? (Min ? 0 : 8)
                                  : C == Codes::kNibblesHigh ? (Min ? 0 : 16)
+                                 : C == Codes::kMXFP4       ? 12
                                                             : 128;  // int8 and IQ4 values, shifted
+  static constexpr const std::array<int8_t, 16>& kTable = C == Codes::kMXFP4 ? kMXFP4Values : kIQ4Values;
+
+  // Block b's scale.
+  static float scale(const uint8_t* group, int b) {
+    if constexpr (C == Codes::kMXFP4) {
+      return e8m0_half(group[kScaleOffset + b]);
+    } else {
+      return half(group + kScaleOffset + 2 * b);
+    }
+  }
 
   static int native(int p) { return C == Codes::kInt8 ? p : nibbles_native(p); }
 
   // One file block (raw) into slot b of a group.
   static void pack_block(const uint8_t* raw, uint8_t* group, int b) {
-    int at = 0;
-    std::memcpy(group + kScaleOffset + 2 * b, raw, 2);  // d
-    at = 2;
+    std::memcpy(group + kScaleOffset + kScaleBytes * b, raw, kScaleBytes);  // d
+    int at = kScaleBytes;
     if (Min) {
       std::memcpy(group + kMinOffset + 2 * b, raw + at, 2);
       at += 2;
@@ -161,9 +188,8 @@ struct GroupTraits {
   }
   // Slot b of a group back to a file block.
   static void unpack_block(const uint8_t* group, uint8_t* raw, int b) {
-    int at = 0;
-    std::memcpy(raw, group + kScaleOffset + 2 * b, 2);
-    at = 2;
+    std::memcpy(raw, group + kScaleOffset + kScaleBytes * b, kScaleBytes);
+    int at = kScaleBytes;
     if (Min) {
       std::memcpy(raw + at, group + kMinOffset + 2 * b, 2);
       at += 2;
@@ -186,7 +212,7 @@ struct GroupTraits {
     if (C == Codes::kInt8) return static_cast<int8_t>(group[b * 32 + j]);
     const uint8_t byte = group[b * 16 + j % 16];
     int q = j < 16 ? (byte & 0x0F) : (byte >> 4);
-    if (C == Codes::kIQ4) return kIQ4Values[q];
+    if (C == Codes::kIQ4 || C == Codes::kMXFP4) return kTable[q];
     if (C == Codes::kNibblesHigh) {
       uint64_t mask;
       std::memcpy(&mask, group + kMaskOffset + (j < 16 ? 0 : 8), 8);
@@ -198,17 +224,17 @@ struct GroupTraits {
   // Loops of 16 values under one scale, which the compiler vectorises.
   ROSEINFER_EXACT static void dequantize(const uint8_t* group, float* out) {
     for (int b = 0; b < kGroupBlocks; ++b) {
-      const float d = half(group + kScaleOffset + 2 * b);
+      const float d = scale(group, b);
       const float m = Min ? half(group + kMinOffset + 2 * b) : 0.0f;
       float* o = out + b * 32;
       if constexpr (C == Codes::kInt8) {
         const int8_t* q = reinterpret_cast<const int8_t*>(group) + b * 32;
         for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(q[j]) * d;
-      } else if constexpr (C == Codes::kIQ4) {
+      } else if constexpr (C == Codes::kIQ4 || C == Codes::kMXFP4) {
         const uint8_t* q = group + b * 16;
         for (int j = 0; j < 16; ++j) {
-          o[j] = d * static_cast<float>(kIQ4Values[q[j] & 0x0F]);
-          o[j + 16] = d * static_cast<float>(kIQ4Values[q[j] >> 4]);
+          o[j] = d * static_cast<float>(kTable[q[j] & 0x0F]);
+          o[j + 16] = d * static_cast<float>(kTable[q[j] >> 4]);
         }
       } else {
         const uint8_t* q = group + b * 16;
@@ -257,11 +283,23 @@ struct GroupTraits {
         const __m512i bit = _mm512_set1_epi8(0x10);
         c0 = _mm512_mask_add_epi8(c0, lo, c0, bit);
         c1 = _mm512_mask_add_epi8(c1, hi, c1, bit);
-      } else if constexpr (C == Codes::kIQ4) {
-        const __m512i table = shifted_values<kIQ4Values, kOffset>();
+      } else if constexpr (C == Codes::kIQ4 || C == Codes::kMXFP4) {
+        const __m512i table = shifted_values<kTable, kOffset>();
         c0 = _mm512_shuffle_epi8(table, c0);
         c1 = _mm512_shuffle_epi8(table, c1);
       }
+    }
+  }
+
+  // The 4 blocks' scales.
+  static __m128 scales4(const uint8_t* group) {
+    if constexpr (C == Codes::kMXFP4) {  // e8m0_half, 4 at a time
+      const __m128i e = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(u32(group + kScaleOffset))));
+      const __m128i normal = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
+      const __m128i tiny = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);
+      return _mm_castsi128_ps(_mm_blendv_epi8(normal, tiny, _mm_cmplt_epi32(e, _mm_set1_epi32(2))));
+    } else {
+      return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + kScaleOffset)));
     }
   }
 
@@ -283,7 +321,7 @@ struct GroupTraits {
       const uint8_t* group = row + u * kBytes;
       __m512i c0, c1;
       unpack(group, c0, c1);
-      const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + kScaleOffset)));
+      const __m128 dw = scales4(group);
       // Per block: minimum - offset * scale, which multiplies the sum of the block's activations.
       __m128 shift = _mm_mul_ps(dw, _mm_set1_ps(-static_cast<float>(kOffset)));
       if constexpr (Min)
@@ -320,6 +358,7 @@ using Q5_0 = GroupTraits<6, Codes::kNibblesHigh, false, 22>;
 using Q5_1 = GroupTraits<7, Codes::kNibblesHigh, true, 24>;
 using Q8_0 = GroupTraits<8, Codes::kInt8, false, 34>;
 using IQ4_NL = GroupTraits<20, Codes::kIQ4, false, 18>;
+using MXFP4 = GroupTraits<39, Codes::kMXFP4, false, 17>;
 
 // ------------------------------------------------------------------------------------------------
 // Super-block types: 256 values in the file's own bytes.
@@ -754,6 +793,7 @@ bool with_block_traits(int type, F&& f) {
     case Q6_K::kType: f(Q6_K{}); return true;
     case IQ4_NL::kType: f(IQ4_NL{}); return true;
     case IQ4_XS::kType: f(IQ4_XS{}); return true;
+    case MXFP4::kType: f(MXFP4{}); return true;
     default: return false;
   }
 }

@@ -1,4 +1,4 @@
-"""The GGUF block formats (GGML's Q4_0 ... Q6_K, IQ4_NL, IQ4_XS): how a checkpoint tensor in one
+"""The GGUF block formats (GGML's Q4_0 ... Q6_K, IQ4_NL, IQ4_XS, MXFP4): how a checkpoint tensor in one
 of them is held, sharded and applied.
 
 - `BlockTensor`: a 2-D tensor as the file stores it (whole rows of blocks along the input
@@ -39,7 +39,8 @@ DENSE_TYPES = {
 # Every block type the C++ kernels run (gguf_blocks.h); the list a clear load error names.
 BLOCK_TYPES = tuple(
     GGMLQuantizationType[name]
-    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+                 "MXFP4")
 )
 
 
