@@ -152,6 +152,8 @@ struct GroupTraits {
                                  : C == Codes::kMXFP4       ? 12
                                                             : 128;  // int8 and IQ4 values, shifted
   static constexpr const std::array<int8_t, 16>& kTable = C == Codes::kMXFP4 ? kMXFP4Values : kIQ4Values;
+  // kOffset where the codes index kTable (IQ4_NL, MXFP4), else -1.
+  static constexpr int kTableOffset = C == Codes::kIQ4 || C == Codes::kMXFP4 ? kOffset : -1;
 
   // Block b's scale.
   static float scale(const uint8_t* group, int b) {

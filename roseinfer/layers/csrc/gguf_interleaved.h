@@ -1,4 +1,4 @@
-// Interleaved layouts for the common GGUF types (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS): the same
+// Interleaved layouts for the common GGUF types (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4): the same
 // blocks, a group of weight rows side by side, so that one VPDPBUSD multiplies every row of the
 // group by the same activation bytes (broadcast). Against the row layout (gguf_blocks.h) this
 // shares the activation loads, the unpacking of codes and the float work of scales across the
@@ -6,7 +6,7 @@
 // on x86 ("8x8"); these are AVX-512 kernels of our own over that idea. Two shapes:
 //   - 8 rows, 8 bytes of each in a 64-byte load (IQ4_XS): row r in lanes 2r and 2r + 1 of a result
 //     vector, summed at the end;
-//   - 16 rows, 4 bytes of each (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K): one lane a row, and a kernel call
+//   - 16 rows, 4 bytes of each (Q4_0, Q8_0, MXFP4, Q4_K, Q5_K, Q6_K): one lane a row, and a kernel call
 //     takes two groups so that each broadcast serves 32 rows (see KQuantX16).
 //
 // A unit is a group's unit of the row layout (`Row`); `gather` gives one row's unit back in the row
@@ -118,11 +118,12 @@ inline void paired_run_terms(const uint8_t* bytes, SumsOf&& sums_of, __m512i out
 #endif
 
 // ------------------------------------------------------------------------------------------------
-// Q4_0 and Q8_0: 16 rows side by side in groups of 4 blocks of 32, one VPDPBUSD lane a row as in
-// KQuantX16 (two groups a kernel call, so that each 4-byte activation broadcast serves 32 rows).
-// Per block: the 16 rows' float16 scales, then the codes in chunks of 64 bytes, chunk c holding
-// bytes 4 c .. + 3 of each row's block codes (Q4_0: 4 chunks, low nibbles values 4 c .., high
-// nibbles 16 + 4 c ..; Q8_0: 8 chunks, values 4 c ..). The bytes of the file, reordered.
+// Q4_0, Q8_0 and MXFP4: 16 rows side by side in groups of 4 blocks of 32, one VPDPBUSD lane a row
+// as in KQuantX16 (two groups a kernel call, so that each 4-byte activation broadcast serves 32
+// rows). Per block: the 16 rows' scales (float16; MXFP4: E8M0 bytes), then the codes in chunks of
+// 64 bytes, chunk c holding bytes 4 c .. + 3 of each row's block codes (4-bit: 4 chunks, low
+// nibbles values 4 c .., high nibbles 16 + 4 c .., MXFP4's through its table; Q8_0: 8 chunks,
+// values 4 c ..). The bytes of the file, reordered.
 // Against 8 rows of 8 bytes in a load (a lane pair a row), the float work of a block (offset,
 // convert, scale) is shared by twice the products: in cache, 16 rows of x, one thread, Q4_0 went
 // from 2.0-2.4 to 1.5-1.6 ns per 256 values (Q8_0 2.0-2.5 to 1.5-1.6; Q4_K's kernel: 1.6-1.9).
@@ -138,30 +139,47 @@ struct GroupX16 {
   static constexpr bool kSuperAct = false;
   static constexpr bool kInt8 = Row::kCodeBytes == 128;
   static constexpr int kChunks = kInt8 ? 8 : 4;  // chunks of 64 bytes a block
-  static constexpr int kBlockBytes = kRowsTogether * 2 + kChunks * 64;
+  static constexpr bool kLookup = Row::kTableOffset >= 0;  // 4-bit indices into a table of values
+  static constexpr int kScaleBytes = Row::kScaleBytes;
+  static constexpr int kBlockBytes = kRowsTogether * kScaleBytes + kChunks * 64;
   static_assert(kBytes == kGroupBlocks * kBlockBytes, "a unit is its rows' bytes, reordered");
 
   static int native(int p) { return p; }
 
-  static constexpr int chunk(int b, int c) { return b * kBlockBytes + kRowsTogether * 2 + c * 64; }
+  static constexpr int chunk(int b, int c) { return b * kBlockBytes + kRowsTogether * kScaleBytes + c * 64; }
 
   static void interleave(const uint8_t* const rows[kRowsTogether], uint8_t* unit) {
     for (int r = 0; r < kRowsTogether; ++r)
       for (int b = 0; b < kGroupBlocks; ++b) {
-        std::memcpy(unit + b * kBlockBytes + 2 * r, rows[r] + Row::kScaleOffset + 2 * b, 2);
+        std::memcpy(unit + b * kBlockBytes + kScaleBytes * r, rows[r] + Row::kScaleOffset + kScaleBytes * b,
+                    kScaleBytes);
         for (int c = 0; c < kChunks; ++c)
           std::memcpy(unit + chunk(b, c) + 4 * r, rows[r] + b * (Row::kCodeBytes / kGroupBlocks) + 4 * c, 4);
       }
   }
   static void gather(const uint8_t* unit, int r, uint8_t* row) {
     for (int b = 0; b < kGroupBlocks; ++b) {
-      std::memcpy(row + Row::kScaleOffset + 2 * b, unit + b * kBlockBytes + 2 * r, 2);
+      std::memcpy(row + Row::kScaleOffset + kScaleBytes * b, unit + b * kBlockBytes + kScaleBytes * r,
+                  kScaleBytes);
       for (int c = 0; c < kChunks; ++c)
         std::memcpy(row + b * (Row::kCodeBytes / kGroupBlocks) + 4 * c, unit + chunk(b, c) + 4 * r, 4);
     }
   }
 
 #if ROSEINFER_GGUF_VNNI
+  // The 16 rows' scales of a block, as floats.
+  static __m512 scales16(const uint8_t* p) {
+    if constexpr (kScaleBytes == 1) {  // E8M0 at half (e8m0_half), 16 at a time
+      const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+      const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+      return _mm512_castsi512_ps(
+          _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
+    } else {
+      return halves16(p);
+    }
+  }
+
   // out[t][16 g + r] = row r of group g . x[m0 + t], for T rows of x and G groups of 16 rows
   // (group g at rows + g * group_bytes).
   template <int G, int T>
@@ -171,6 +189,8 @@ struct GroupX16 {
     // KQuantX16): the second takes the high nibbles (Q4_0) or the odd chunks (Q8_0).
     constexpr int kHalves = G * T >= 8 ? 1 : 2;
     const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512i table = nibble;  // (unused but by the table types)
+    if constexpr (kLookup) table = shifted_values<Row::kTable, Row::kOffset>();
     over_units16<G, T, kBytes>(rows, group_bytes, units, out,
                                [&](const uint8_t* const (&unit)[G], int64_t u, __m512 (&acc)[G][T])
                                    __attribute__((always_inline)) {
@@ -196,6 +216,10 @@ struct GroupX16 {
             } else {
               low[g] = _mm512_and_si512(packed, nibble);
               high[g] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+              if constexpr (kLookup) {
+                low[g] = _mm512_shuffle_epi8(table, low[g]);
+                high[g] = _mm512_shuffle_epi8(table, high[g]);
+              }
             }
           }
           if constexpr (kInt8) {
@@ -206,7 +230,7 @@ struct GroupX16 {
           }
         }
         for (int g = 0; g < G; ++g) {
-          const __m512 d = halves16(unit[g] + b * kBlockBytes);
+          const __m512 d = scales16(unit[g] + b * kBlockBytes);
           for (int t = 0; t < T; ++t) {
             __m512i sum = p[0][g][t];
             if constexpr (kHalves == 2) sum = _mm512_add_epi32(sum, p[1][g][t]);
@@ -222,6 +246,7 @@ struct GroupX16 {
 
 using Q4_0x16 = GroupX16<Q4_0>;
 using Q8_0x16 = GroupX16<Q8_0>;
+using MXFP4x16 = GroupX16<MXFP4>;
 
 // ------------------------------------------------------------------------------------------------
 // Q4_K and Q5_K: 16 rows side by side, 4 bytes of each in a 64-byte chunk, so that a VPDPBUSD lane
@@ -557,6 +582,7 @@ bool with_interleaved_traits(int type, F&& f) {
   switch (type) {
     case Q4_0x16::kType: f(Q4_0x16{}); return true;
     case Q8_0x16::kType: f(Q8_0x16{}); return true;
+    case MXFP4x16::kType: f(MXFP4x16{}); return true;
     case Q4_Kx16::kType: f(Q4_Kx16{}); return true;
     case Q5_Kx16::kType: f(Q5_Kx16{}); return true;
     case Q6_Kx16::kType: f(Q6_Kx16{}); return true;

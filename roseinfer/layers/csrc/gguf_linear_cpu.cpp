@@ -17,8 +17,8 @@
 //     product.
 //
 // Weights are in the kernels' layout (gguf_pack): the file's bytes for 256-value types, groups of 4
-// blocks for the 32-value ones (see gguf_blocks.h), and for the hot types (Q4_0, Q8_0, Q4_K, Q5_K,
-// Q6_K, IQ4_XS) on VNNI CPUs, 8 or 16 rows interleaved (gguf_interleaved.h): a layout has its own
+// blocks for the 32-value ones (see gguf_blocks.h), and for the hot types (Q4_0, Q8_0, MXFP4, Q4_K,
+// Q5_K, Q6_K, IQ4_XS) on VNNI CPUs, 8 or 16 rows interleaved (gguf_interleaved.h): a layout has its own
 // kernel type id.
 
 #include <torch/extension.h>
