@@ -2,6 +2,14 @@
 
 Chat templates ship with model files, so they are untrusted code: they run in jinja's immutable
 sandbox, which refuses `__class__`-style attribute access and mutating the inputs.
+
+Conversations as agents send them (a system message in the middle, a developer message, two user
+turns in a row) are rendered as sent where the template takes them; where it refuses them (Gemma's
+and Mistral's "roles must alternate", "system message must be at the beginning"), they are placed
+as it allows (`conformed_messages`): the leading system messages merged into one, later ones
+turned into user turns where they stand (so an agent's earlier turns keep their prefix), and
+consecutive turns of one role merged; if the template takes no system role at all, the system
+text opens the first user turn.
 """
 
 from __future__ import annotations
@@ -43,6 +51,24 @@ def render_chat_template(
     # A missing special token stays undefined (renders as ""), never the string "None".
     variables.update((k, v) for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v is not None)
     variables.update(extra)
+    if "developer" not in template:  # a template that does not know the role reads it as system
+        variables["messages"] = [{**m, "role": "system"} if m["role"] == "developer" else m
+                                 for m in variables["messages"]]
+    try:
+        return _render(compiled, variables)
+    except ValueError as refused:
+        for placed in (conformed_messages(variables["messages"]),
+                       conformed_messages(variables["messages"], system_role=False)):
+            if placed == variables["messages"]:
+                continue
+            try:
+                return _render(compiled, {**variables, "messages": placed})
+            except ValueError:
+                pass
+        raise refused from None
+
+
+def _render(compiled: jinja2.Template, variables: dict[str, Any]) -> str:
     try:
         return compiled.render(variables)
     except ValueError:  # raise_exception() in the template, already a clear message
@@ -51,6 +77,58 @@ def render_chat_template(
         raise ValueError(f"chat template tried an operation the sandbox forbids: {exc}") from exc
     except Exception as exc:  # the template's own bugs: undefined names, type errors, ...
         raise ValueError(f"chat template failed to render: {type(exc).__name__}: {exc}") from exc
+
+
+def conformed_messages(messages: list[dict[str, Any]], *, system_role: bool = True) -> list[dict[str, Any]]:
+    """The conversation in the shape strict templates take: one system message first (or, without
+    `system_role`, its text at the start of the first user turn), system and developer messages
+    after the first other turn as user turns where they stand, and consecutive user (or assistant)
+    turns merged into one."""
+    leading: list[str] = []
+    rest: list[dict[str, Any]] = []
+    for message in messages:
+        role = "system" if message["role"] == "developer" else message["role"]
+        if role == "system" and not rest:
+            leading.append(_text(message))
+        elif role == "system":
+            rest.append({"role": "user", "content": _text(message)})
+        else:
+            rest.append(dict(message))
+    merged: list[dict[str, Any]] = []
+    for message in rest:
+        previous = merged[-1] if merged else None
+        if previous is not None and message["role"] == previous["role"] and message["role"] in ("user", "assistant"):
+            merged[-1] = _merged(previous, message)
+        else:
+            merged.append(message)
+    if not leading:
+        return merged
+    system = "\n\n".join(leading)
+    if system_role:
+        return [{"role": "system", "content": system}, *merged]
+    first_user = next((i for i, m in enumerate(merged) if m["role"] == "user"), None)
+    if first_user is None:
+        return [{"role": "user", "content": system}, *merged]
+    merged[first_user] = {**merged[first_user], "content": f"{system}\n\n{_text(merged[first_user])}"}
+    return merged
+
+
+def _text(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content or ""
+
+
+def _merged(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two turns of one role as one: their texts joined, an assistant's tool calls kept in order."""
+    merged = {**first, **second}
+    texts = [text for text in (_text(first), _text(second)) if text]
+    merged["content"] = "\n\n".join(texts)
+    calls = [*first.get("tool_calls", []), *second.get("tool_calls", [])]
+    if calls:
+        merged["tool_calls"] = calls
+    return merged
 
 
 def normalize_messages(messages: Any, *, keep_parts: bool = False) -> list[dict[str, Any]]:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from grammar_walk import random_walk
+from hf_to_gguf import llama_cpp_chat_template
 
 from roseinfer.errors import InvalidRequestError
 from roseinfer.structured_output import GrammarCompiler, StructuredOutputsParams
@@ -18,6 +20,8 @@ from roseinfer.tool_parsers import (
     NamedToolCallStream,
     RequiredToolCallStream,
     ToolCallDelta,
+    detect_tool_format,
+    detect_tool_parser,
     extract_named_tool_call,
     extract_required_tool_calls,
     function_parameters,
@@ -122,13 +126,54 @@ LLAMA3_CASES = {
     "absurdly deep": ('{"name": "f", "parameters": ' + "[" * 20_000, None, []),
 }
 
-for cases in (HERMES_CASES, LLAMA3_CASES):  # malformed: the text comes back as content
+MISTRAL_CASES = {
+    "json list (Nemo)": (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}, "id": "a1B2c3D4e"}]',
+        None,
+        [WEATHER],
+    ),
+    "named calls (Small 3.2, Devstral)": (
+        'Checking.\n[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+        '[TOOL_CALLS]get_time[CALL_ID]x1y2z3[ARGS]{"timezone": "Europe/Paris"}',
+        "Checking.",
+        [WEATHER, TIME],
+    ),
+    "no call": ("It is sunny [in] Paris.", "It is sunny [in] Paris.", []),
+    "malformed": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Par', '[TOOL_CALLS]get_weather[ARGS]{"city": "Par', []),
+    "absurdly deep": ("[TOOL_CALLS]" + "[" * 20_000, None, []),
+}
+
+QWEN3_CODER_CASES = {
+    "one call": (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>",
+        None,
+        [WEATHER],
+    ),
+    "text, then two calls, typed values": (
+        "Let me look.\n\n<tool_call>\n<function=get_time>\n<parameter=timezone>\nEurope/Paris\n</parameter>\n"
+        "</function>\n</tool_call>\n<tool_call>\n<function=book>\n<parameter=hour>\n19\n</parameter>\n"
+        "<parameter=names>\n[\"Ann\", \"Bo\"]\n</parameter>\n</function>\n</tool_call>\n",
+        "Let me look.",
+        [TIME, {"name": "book", "arguments": {"hour": 19, "names": ["Ann", "Bo"]}}],
+    ),
+    "no call": ("Paris is <b>sunny</b>.", "Paris is <b>sunny</b>.", []),
+    "cut off": ("<tool_call>\n<function=get_time>\n<parameter=tim", "<tool_call>\n<function=get_time>\n<parameter=tim", []),
+    "text after the calls": (
+        "<tool_call>\n<function=f>\n</function>\n</tool_call> and then",
+        "<tool_call>\n<function=f>\n</function>\n</tool_call> and then",
+        [],
+    ),
+    "absurdly deep": ("<tool_call>" + "[" * 20_000, None, []),
+}
+
+for cases in (HERMES_CASES, LLAMA3_CASES, MISTRAL_CASES, QWEN3_CODER_CASES):  # malformed: content as written
     text, _, calls = cases["absurdly deep"]
     cases["absurdly deep"] = (text, text, calls)
 
-CASES = [("hermes", name, *case) for name, case in HERMES_CASES.items()] + [
-    ("llama3_json", name, *case) for name, case in LLAMA3_CASES.items()
-]
+CASES = [(parser, name, *case) for parser, cases in (
+    ("hermes", HERMES_CASES), ("llama3_json", LLAMA3_CASES), ("mistral", MISTRAL_CASES),
+    ("qwen3_coder", QWEN3_CODER_CASES)) for name, case in cases.items()]
 
 
 def calls_as_dicts(calls) -> list[dict]:
@@ -200,9 +245,56 @@ def test_llama3_content_streams_once_it_is_not_a_call():
 
 
 def test_registry():
-    assert set(TOOL_PARSERS) >= {"hermes", "llama3_json"}
+    assert set(TOOL_PARSERS) >= {"hermes", "llama3_json", "mistral", "qwen3_coder"}
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("nonesuch")
+
+
+def test_qwen3_coder_types_values_by_the_tools_schema():
+    tools = [{"type": "function", "function": {"name": "call", "parameters": {"type": "object", "properties": {
+        "number": {"type": "string"}, "times": {"type": "integer"}}}}}]
+    text = ("<tool_call>\n<function=call>\n<parameter=number>\n007\n</parameter>\n<parameter=times>\n3\n"
+            "</parameter>\n</function>\n</tool_call>")
+    (call,) = get_tool_parser("qwen3_coder", tools).extract_tool_calls(text).tool_calls
+    assert json.loads(call.arguments) == {"number": "007", "times": 3}
+
+
+# The tool-call format each real chat template writes (llama.cpp's collection, and the repo's own),
+# as llama-server --jinja finds it; None: no tool-call markup, so tool_choice "auto" answers in text.
+TEMPLATE_FORMATS = {
+    "Qwen-Qwen2.5-7B-Instruct": "hermes", "Qwen-Qwen3-0.6B": "hermes", "Qwen-QwQ-32B": "hermes",
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": "hermes", "ibm-granite-granite-4.0": "hermes",
+    "Qwen3-Coder": "qwen3_coder", "Qwen3.5-4B": "qwen3_coder", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": "qwen3_coder",
+    "meta-llama-Llama-3.1-8B-Instruct": "llama3_json", "meta-llama-Llama-3.2-3B-Instruct": "llama3_json",
+    "meta-llama-Llama-3.3-70B-Instruct": "llama3_json",
+    "mistralai-Mistral-Nemo-Instruct-2407": "mistral", "Mistral-Small-3.2-24B-Instruct-2506": "mistral",
+    "unsloth-mistral-Devstral-Small-2507": "mistral", "mistralai-Ministral-3-14B-Reasoning-2512": "mistral",
+    # Known formats without a parser here: named, so they are not read as a simpler one.
+    "GLM-4.6": "glm45", "deepseek-ai-DeepSeek-V3.1": "deepseek_v3", "Kimi-K2-Instruct": "kimi_k2",
+    "openai-gpt-oss-120b": "harmony", "MiniMax-M3": "minimax", "google-gemma-4-31B-it": "gemma4",
+    "google-gemma-2-2b-it": None, "microsoft-Phi-3.5-mini-instruct": None,
+}
+REPO_TEMPLATE_FORMATS = {"google-gemma-3-4b-it": None, "mistralai-Mixtral-8x7B-Instruct-v0.1": None,
+                         "allenai-OLMoE-1B-7B-0924-Instruct": None}
+
+
+@pytest.mark.parametrize(("name", "expected"), TEMPLATE_FORMATS.items())
+def test_format_found_from_llama_cpps_templates(name, expected):
+    assert detect_tool_format(llama_cpp_chat_template(name), TOOL_PARSERS) == expected
+
+
+def test_format_found_from_the_repos_templates(smollm_tokenizer):
+    for name, expected in REPO_TEMPLATE_FORMATS.items():
+        template = (Path(__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
+        assert detect_tool_format(template, TOOL_PARSERS) == expected, name
+    assert detect_tool_parser(smollm_tokenizer.chat_template)[0] is None  # the default model: text
+    parser, line = detect_tool_parser(llama_cpp_chat_template("GLM-4.6"))
+    assert parser is None and "glm45" in line and "no parser" in line
+    assert detect_tool_parser(llama_cpp_chat_template("Qwen3-Coder"))[0] == "qwen3_coder"
+
+
+def test_mistral_markers_are_special_tokens_the_response_keeps():
+    assert get_tool_parser("mistral").keeps_special_tokens and not get_tool_parser("hermes").keeps_special_tokens
 
 
 # -- tool_choice "required" and named --------------------------------------------------------------

@@ -48,6 +48,9 @@ class NewRequest:
     params: SamplingParams | PoolingParams  # PoolingParams: an embedding of the prompt
     add_special_tokens: bool = True
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only within one salt
+    # A max_tokens beyond what fits after the prompt is cut to fit (an API whose cap is an upper
+    # bound: Messages, Responses), not a 400 (OpenAI's chat and completions).
+    fit_max_tokens: bool = False
 
 
 Output = RequestOutput | PoolingRequestOutput
@@ -232,7 +235,7 @@ class AsyncLLM(EngineFrontEnd):
         return [
             self.input_processor.process(
                 r.request_id, r.prompt, r.params, add_special_tokens=r.add_special_tokens,
-                strict_max_tokens=True, arrival_time=arrival, cache_salt=r.cache_salt,
+                strict_max_tokens=not r.fit_max_tokens, arrival_time=arrival, cache_salt=r.cache_salt,
             )
             for r in requests
         ]

@@ -4,8 +4,11 @@ tokenizing, and one context-length rule, once per request.
 The rule: a prompt may use the whole context (`max_model_len` tokens), and a request may generate
 until the sequence is one token longer than that (the last sampled token is never fed back into the
 model, so it needs no place in the context): `max_model_len - len(prompt) + 1` tokens at most.
-Asking for more is an error where the caller is told what fits (the HTTP API, `strict_max_tokens`)
-and is capped otherwise (the offline API, as vLLM's does).
+Asking for more is an error where the caller is told what fits (the OpenAI routes,
+`strict_max_tokens`) and is cut to fit otherwise (the offline API, as vLLM's does; the Messages and
+Responses routes, whose caps are upper bounds, as llama-server cuts them). A request that sets no
+cap gets the server's default (`RequestLimits.default_max_tokens`, --max-tokens-default), cut to
+fit: never an unbounded generation.
 
 A pooling request (an embedding, `PoolingParams`) has the same prompt checks and context rule (its
 prompt may use the whole context) and generates nothing; its pooling type and normalization, left
@@ -78,6 +81,7 @@ class RequestLimits:
     max_prompt_chars: int | None = None  # the prompt text (a chat: as the template renders it)
     max_stop: int | None = None  # stop strings, and stop token ids
     max_stop_chars: int | None = None  # characters in one stop string
+    default_max_tokens: int | None = None  # the output cap of a request that sets none (None: the context's room)
 
 
 def longest_prompt_chars(tokenizer: Tokenizer, max_model_len: int) -> int:
@@ -266,14 +270,14 @@ class InputProcessor:
         room = self.max_new_tokens(num_prompt_tokens)
         max_tokens = params.max_tokens
         if max_tokens is None:
-            max_tokens = room
+            max_tokens = min(room, self.limits.default_max_tokens or room)
         elif max_tokens > room:
             if strict:
                 raise ContextLengthError(
                     f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                     f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-                    f"{max_tokens} for the completion); at most {room} completion tokens fit after this "
-                    "prompt. Please reduce the prompt or max_tokens.",
+                    f"{max_tokens} for the completion), {max_tokens - room} more than fit; at most {room} "
+                    "completion tokens fit after this prompt. Please reduce the prompt or max_tokens.",
                     "max_tokens",
                 )
             max_tokens = room

@@ -22,6 +22,9 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_REQUEST_TIMEOUT = 600.0
 DEFAULT_MAX_STOP = 32
 DEFAULT_MAX_STOP_CHARS = 512
+# The output cap of a request that sets none (llama-server's -n): an agent that sends no
+# max_tokens (Codex) gets an answer, not a generation until the context or the time limit ends.
+DEFAULT_MAX_TOKENS = 4096
 # Connections: a slow or stalled client may hold a connection only this long (seconds).
 DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_BODY_TIMEOUT = 60.0
@@ -73,6 +76,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-prompt-chars", type=int, default=None,
                         help="longest prompt in characters, checked before tokenizing (default: the context "
                              "times the longest token, which lets every prompt that could fit through)")
+    limits.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS,
+                        help="the most tokens a request that sets no max_tokens generates (default "
+                             f"{DEFAULT_MAX_TOKENS}; cut to what fits the context; 0: the whole context)")
     limits.add_argument("--max-stop", type=int, default=DEFAULT_MAX_STOP,
                         help=f"most stop strings, and most stop token ids, per request (default {DEFAULT_MAX_STOP})")
     limits.add_argument("--max-stop-chars", type=int, default=DEFAULT_MAX_STOP_CHARS,
@@ -212,7 +218,7 @@ def run_server(args: argparse.Namespace) -> int:
     for flag in ("max_queue_len", "max_request_body_bytes", "max_prompt_chars", "max_stop", "max_stop_chars",
                  "limit_concurrency"):
         _check_positive("--" + flag.replace("_", "-"), getattr(args, flag))
-    for flag in ("request_timeout", "header_timeout", "body_timeout", "send_timeout"):
+    for flag in ("request_timeout", "header_timeout", "body_timeout", "send_timeout", "max_tokens_default"):
         if getattr(args, flag) < 0:
             raise RoseInferError(f"--{flag.replace('_', '-')} must be >= 0 (0: no limit), got {getattr(args, flag)}")
     api_key = resolve_api_key(args)
@@ -232,6 +238,7 @@ def run_server(args: argparse.Namespace) -> int:
     engine.input_processor.limits = RequestLimits(
         max_prompt_chars=args.max_prompt_chars or longest_prompt_chars(engine.tokenizer, engine.max_model_len),
         max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
+        default_max_tokens=args.max_tokens_default or None,
     )
     metrics = PrometheusStatLogger(
         engine.model_name, lambda: engine.scheduler_stats, lambda: engine.num_waiting,

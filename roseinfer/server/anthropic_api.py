@@ -34,6 +34,7 @@ from roseinfer.server.anthropic_serving import (
     prompt_of,
 )
 from roseinfer.server.api_family import ApiContext, unless_disconnected
+from roseinfer.server.ignored_fields import log_ignored
 from roseinfer.server.openapi import _ERRORS, _RETRY_AFTER, finish_document
 
 PATH_PREFIX = "/v1/messages"
@@ -132,8 +133,11 @@ def register(app: FastAPI, context: ApiContext) -> None:
     async def messages(body: MessagesRequest, request: Request) -> Response:
         """Anthropic's Messages API (its official clients work against this server)."""
         check_model(body.model)
+        log_ignored(request, body.ignored_fields(reasoning))
         try:
-            requests, tool_calling = serving.chat_requests(chat_request(body, serving.tool_call_parser, reasoning))
+            requests, tool_calling = serving.chat_requests(chat_request(body, reasoning))
+            for engine_request in requests:  # max_tokens is an upper bound: cut to what fits
+                engine_request.fit_max_tokens = True
             submitted = await serving.submit(PATH_PREFIX, "msg", requests, 1, tool_calling)
         except InvalidRequestError as exc:
             raise in_anthropic_terms(exc) from exc
@@ -143,11 +147,12 @@ def register(app: FastAPI, context: ApiContext) -> None:
         return await unless_disconnected(request, anthropic.message(body, submitted))
 
     @router.post(PATH_PREFIX + "/count_tokens", responses=_errors(400, 401, 404, 413))
-    async def count_tokens(body: CountTokensRequest) -> TokenCount:
+    async def count_tokens(body: CountTokensRequest, request: Request) -> TokenCount:
         """The prompt tokens a Messages request with these messages, system prompt and tools
         would feed the model (its chat template applied)."""
         check_model(body.model)
-        prompt = prompt_of(chat_request(body, serving.tool_call_parser, reasoning), serving)
+        log_ignored(request, body.ignored_fields(reasoning))
+        prompt = prompt_of(chat_request(body, reasoning), serving)
         _, ids = await asyncio.get_running_loop().run_in_executor(None, engine.input_processor.tokenize, prompt)
         return TokenCount(input_tokens=len(ids))
 

@@ -4,7 +4,10 @@
 Every request model names what it does not take: a field Anthropic defines that would change the
 output and that this server does not implement (`UNSUPPORTED`), or one Anthropic does not define
 here, is a 400 naming it. Fields that change nothing here (`metadata`, `cache_control`,
-`service_tier`) are declared and accepted.
+`service_tier`) are declared and accepted, and so are the hints a gateway may ignore, which agents
+such as Claude Code send on every request (`context_management`, `output_config.effort` and
+`task_budget`, adaptive thinking): `ignored_fields()` names those this server does not act on, for
+a log line once per client (see ignored_fields.py).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from roseinfer.server.protocol import MAX_NESTING_DEPTH, nesting_depth_exceeds
+from roseinfer.server.protocol import bounded_nesting, known_kinds
 
 
 class AnthropicRequestModel(BaseModel):
@@ -45,21 +48,26 @@ class AnthropicRequestModel(BaseModel):
         return data
 
 
-class CacheControl(AnthropicRequestModel):
-    """A prompt-caching hint: accepted and changes nothing (the prefix cache here is automatic)."""
+class CacheControl(BaseModel):
+    """A prompt-caching hint: accepted whatever it holds (ttl, scope, ...), and changes nothing
+    (the prefix cache here is automatic)."""
+
+    model_config = ConfigDict(extra="allow")
 
     type: Literal["ephemeral"]
-    ttl: Literal["5m", "1h"] | None = None
 
 
 class TextBlock(AnthropicRequestModel):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
-    citations: None = None  # what a client echoes back of a response's text block (never filled here)
+    # What a client echoes back of a response's text block (never filled here, so only empty).
+    citations: Annotated[list[Any], Field(max_length=0)] | None = None
 
 
 CONTENT_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking")
+# Blocks of Anthropic's API that hold media: refused by name, since the models here read text only.
+MEDIA_BLOCK_TYPES = ("image", "document", "search_result")
 _TEXT_BLOCKS = TypeAdapter(list[TextBlock])
 
 
@@ -79,10 +87,15 @@ def _blocks(adapter: TypeAdapter, value: Any) -> Any:
         raise ValueError(f"{where}: {error['msg'].removeprefix('Value error, ')}") from None
 
 
+class DirectCaller(AnthropicRequestModel):
+    """Who called a tool: the model itself ("direct", the default, what the official SDK echoes
+    back); a code-execution caller (programmatic tool calling) is not supported."""
+
+    type: Literal["direct"]
+
+
 class ToolUseBlock(AnthropicRequestModel):
     """A tool call the assistant made earlier in the conversation."""
-
-    UNSUPPORTED: ClassVar[dict[str, str]] = {"caller": "programmatic tool calling is not supported"}
 
     type: Literal["tool_use"]
     id: Annotated[str, Field(min_length=1)]
@@ -90,6 +103,15 @@ class ToolUseBlock(AnthropicRequestModel):
     input: dict[str, Any]
     cache_control: CacheControl | None = None
     toolset_name: None = None
+    caller: DirectCaller | None = None
+
+    @field_validator("caller", mode="before")
+    @classmethod
+    def _direct_only(cls, caller: Any) -> Any:
+        if isinstance(caller, dict) and caller.get("type") != "direct":
+            raise ValueError("programmatic tool calling is not supported: a tool_use block's caller can only be "
+                             '{"type": "direct"} or null')
+        return caller
 
 
 class ToolResultBlock(AnthropicRequestModel):
@@ -105,6 +127,9 @@ class ToolResultBlock(AnthropicRequestModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_blocks(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            known_kinds(content, ("text",), "content blocks", "block {i}", media=MEDIA_BLOCK_TYPES,
+                        why="a tool result reaches this model as text only")
         return _blocks(_TEXT_BLOCKS, content)
 
     def text(self) -> str:
@@ -126,23 +151,23 @@ _CONTENT_BLOCKS = TypeAdapter(list[ContentBlock])
 
 
 class InputMessage(AnthropicRequestModel):
-    role: Literal["user", "assistant"]
+    # "system": an instruction in the middle of the conversation (Claude Code sends them); the
+    # chat template places it where it can (see chat_template.render_chat_template).
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
     @field_validator("content", mode="before")
     @classmethod
     def _known_block_types(cls, content: Any) -> Any:
         if isinstance(content, list):
-            for i, block in enumerate(content):
-                kind = block.get("type") if isinstance(block, dict) else None
-                if isinstance(kind, str) and kind not in CONTENT_BLOCK_TYPES:
-                    raise ValueError(f"block {i}: content blocks of type {kind!r} are not supported by this "
-                                     f"server (it takes {', '.join(CONTENT_BLOCK_TYPES)})")
+            known_kinds(content, CONTENT_BLOCK_TYPES, "content blocks", "block {i}", media=MEDIA_BLOCK_TYPES,
+                        why="this model reads text only")
         return _blocks(_CONTENT_BLOCKS, content)
 
     @model_validator(mode="after")
     def _blocks_fit_the_role(self) -> InputMessage:
-        allowed = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking")}[self.role]
+        allowed = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking"),
+                   "system": ("text",)}[self.role]
         for i, block in enumerate(self.content if isinstance(self.content, list) else []):
             if block.type not in allowed:
                 raise ValueError(f"content block {i}: a {self.role} message cannot hold a {block.type} block")
@@ -209,6 +234,15 @@ class ThinkingEnabled(AnthropicRequestModel):
 
     type: Literal["enabled"]
     budget_tokens: Annotated[int, Field(ge=0)]
+    display: str | None = None  # how the thinking is shown ("summarized", ...): it is shown whole here
+
+
+class ThinkingAdaptive(AnthropicRequestModel):
+    """The model decides how much to think: with --reasoning-parser, bounded by
+    `output_config.effort` (see effort.py); without one, nothing to decide."""
+
+    type: Literal["adaptive"]
+    display: str | None = None
 
 
 class JsonOutputFormat(AnthropicRequestModel):
@@ -217,25 +251,26 @@ class JsonOutputFormat(AnthropicRequestModel):
 
 
 class OutputConfig(AnthropicRequestModel):
-    UNSUPPORTED: ClassVar[dict[str, str]] = {
-        "effort": "effort is not supported; with --reasoning-parser, bound the thinking with thinking.budget_tokens"}
-
     format: JsonOutputFormat | None = None
+    # How hard to think: with --reasoning-parser a thinking budget (effort.py), else ignored.
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    # Claude Code's hints about the agent's remaining budget and its timing: nothing reads them here.
+    task_budget: Any = None
+    timing: Any = None
 
 
-class Metadata(AnthropicRequestModel):
+class Metadata(BaseModel):
+    """Client bookkeeping (user_id, and what else a client sends): accepted, unused."""
+
+    model_config = ConfigDict(extra="allow")
+
     user_id: str | None = None
 
 
-THINKING_NEEDS_PARSER = ('thinking: enabled thinking needs a server started with --reasoning-parser, which this '
-                         'one was not; leave thinking out or send {"type": "disabled"}')
-_ADAPTIVE = ('thinking of type "adaptive" is not supported; send {"type": "enabled", "budget_tokens": N} '
-             '(with a server started with --reasoning-parser) or {"type": "disabled"}')
 # Fields Anthropic defines that would change the output and are not implemented: field -> why.
 UNSUPPORTED_FIELDS = {
     "container": "code-execution containers are not supported",
     "mcp_servers": "MCP servers are not supported; give client tools",
-    "context_management": "context management is not supported",
     "diagnostics": "diagnostics are not supported",
     "inference_geo": "not supported; leave inference_geo out",
     "speed": "not supported; leave speed out",
@@ -247,34 +282,39 @@ class CountTokensRequest(AnthropicRequestModel):
 
     UNSUPPORTED: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
 
-    @field_validator("messages", "tools", "system", "output_config", mode="before")
-    @classmethod
-    def _not_nested_too_deep(cls, value: Any) -> Any:
-        if nesting_depth_exceeds(value, MAX_NESTING_DEPTH):
-            raise ValueError(f"nested more than {MAX_NESTING_DEPTH} levels deep (this server's limit)")
-        return value
+    _bounded = bounded_nesting("messages", "tools", "system", "output_config", "context_management")
 
     model: str
     messages: Annotated[list[InputMessage], Field(min_length=1)]
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    thinking: Annotated[ThinkingDisabled | ThinkingEnabled, Field(discriminator="type")] | None = None
+    thinking: Annotated[ThinkingDisabled | ThinkingEnabled | ThinkingAdaptive, Field(discriminator="type")] | None = None
     output_config: OutputConfig | None = None
     cache_control: CacheControl | None = None
+    # Server-side context editing (clearing old tool results, compaction): a gateway may leave it
+    # to the client, which still holds the whole conversation; ignored here.
+    context_management: dict[str, Any] | None = None
 
     @field_validator("system", mode="before")
     @classmethod
     def _system_blocks(cls, system: Any) -> Any:
         return _blocks(_TEXT_BLOCKS, system)
 
-    @field_validator("thinking", mode="before")
-    @classmethod
-    def _thinking_not_adaptive(cls, value: Any) -> Any:
-        # "enabled" is checked against the server (a reasoning parser) where the request is served.
-        if isinstance(value, dict) and value.get("type") == "adaptive":
-            raise ValueError(_ADAPTIVE)
-        return value
+    def ignored_fields(self, reasoning: bool) -> dict[str, str]:
+        """The fields given that change nothing on this server (`reasoning`: it has a reasoning
+        parser, so thinking settings are honoured): field -> why."""
+        ignored = {}
+        if self.context_management is not None:
+            ignored["context_management"] = "context is not edited server-side; the client's conversation is used as sent"
+        config = self.output_config
+        if config is not None and (config.task_budget is not None or config.timing is not None):
+            ignored["output_config.task_budget"] = "no budget hints are given to the model"
+        if not reasoning and self.thinking is not None and not isinstance(self.thinking, ThinkingDisabled):
+            ignored["thinking"] = "the model does not think (no --reasoning-parser)"
+        if not reasoning and config is not None and config.effort is not None:
+            ignored["output_config.effort"] = "the model does not think (no --reasoning-parser)"
+        return ignored
 
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):
@@ -283,6 +323,7 @@ class CountTokensRequest(AnthropicRequestModel):
 
 
 class MessagesRequest(CountTokensRequest):
+    # Cut to what fits the context after the prompt (Anthropic's newer models do the same).
     max_tokens: Annotated[int, Field(ge=1)]
     stop_sequences: list[str] | None = None
     stream: bool = False
@@ -290,7 +331,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None  # 0: no top-k
     metadata: Metadata | None = None
-    service_tier: Literal["auto", "standard_only"] | None = None
+    service_tier: str | None = None  # accepted; there is one tier here
 
 
 # -- responses -------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ Thinking (a server started with --reasoning-parser): the parser splits the outpu
 and answer; `message()` puts a thinking block before the answer's blocks, `message_stream()` feeds
 the thinking to `ContentBlocks.thinking` (thinking_delta events) before the answer's pieces.
 `thinking: {"type": "enabled", "budget_tokens": N}` is the chat request's thinking_token_budget,
-`{"type": "disabled"}` the template's enable_thinking=false; without a parser "enabled" is a 400.
+`{"type": "adaptive"}` a budget from `output_config.effort` (effort.py), `{"type": "disabled"}` the
+template's enable_thinking=false. Without a parser the model does not think: thinking settings are
+accepted and logged as ignored (a gateway may ignore them; Claude Code sends them every turn).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from roseinfer.errors import InvalidRequestError
 from roseinfer.outputs import CompletionOutput
 from roseinfer.reasoning import ReasoningDelta, ReasoningStream
 from roseinfer.server.anthropic_protocol import (
-    THINKING_NEEDS_PARSER,
     AnthropicErrorInfo,
     AnthropicErrorResponse,
     ContentBlockDeltaEvent,
@@ -57,6 +58,7 @@ from roseinfer.server.anthropic_protocol import (
     ToolResultBlock,
     ToolUseContent,
 )
+from roseinfer.server.effort import effort_fields
 from roseinfer.server.error_responses import (
     GenerationError,
     error_event,
@@ -88,7 +90,8 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
 def _chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     """The conversation in OpenAI's message shapes (what the chat template is given): the system
     prompt first; a user turn's tool_result blocks become `tool` messages, in order with its
-    text; an assistant turn's tool_use blocks its `tool_calls`, its thinking `reasoning_content`."""
+    text; an assistant turn's tool_use blocks its `tool_calls`, its thinking `reasoning_content`;
+    a system turn in the conversation stays where it is (the template places it)."""
     messages: list[dict[str, Any]] = []
     system = body.system_text()
     if system is not None:
@@ -96,6 +99,8 @@ def _chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     for message in body.messages:
         if isinstance(message.content, str):
             messages.append({"role": message.role, "content": message.content})
+        elif message.role == "system":
+            messages.append({"role": "system", "content": [{"type": "text", "text": b.text} for b in message.content]})
         elif message.role == "user":
             messages.extend(_user_messages(message))
         else:
@@ -138,7 +143,7 @@ def _assistant_message(message: InputMessage) -> dict[str, Any]:
     return result
 
 
-def _tool_choice(body: CountTokensRequest, tool_call_parser: str | None) -> tuple[Any, bool]:
+def _tool_choice(body: CountTokensRequest) -> tuple[Any, bool]:
     """OpenAI's tool_choice and parallel_tool_calls for Anthropic's tool_choice."""
     choice = body.tool_choice
     if choice is None:
@@ -151,11 +156,6 @@ def _tool_choice(body: CountTokensRequest, tool_call_parser: str | None) -> tupl
         return {"type": "function", "function": {"name": choice.name}}, False
     if isinstance(choice, ToolChoiceAny):
         return "required", not choice.disable_parallel_tool_use
-    if tool_call_parser is None:
-        raise InvalidRequestError(
-            'tool_choice "auto" (the default when tools are given) needs a server started with '
-            '--tool-call-parser (hermes, llama3_json); tool_choice {"type": "any"} or {"type": "tool", "name": ...} '
-            "works with any model", "tool_choice")
     if choice.disable_parallel_tool_use:
         raise InvalidRequestError(
             'tool_choice: disable_parallel_tool_use is not supported with type "auto" (the model\'s own '
@@ -164,10 +164,14 @@ def _tool_choice(body: CountTokensRequest, tool_call_parser: str | None) -> tupl
 
 
 def _thinking(body: CountTokensRequest, reasoning: bool) -> dict[str, Any]:
-    """The chat request's fields for `thinking` (`reasoning`: the server has a reasoning parser)."""
+    """The chat request's fields for `thinking` and `output_config.effort` (`reasoning`: the
+    server has a reasoning parser; without one both are ignored, and logged so by the route)."""
+    if not reasoning:
+        return {}
+    if isinstance(body.thinking, ThinkingDisabled):
+        # What a hybrid thinking template (Qwen3's) reads; a template without the switch ignores it.
+        return {"chat_template_kwargs": {"enable_thinking": False}}
     if isinstance(body.thinking, ThinkingEnabled):
-        if not reasoning:
-            raise InvalidRequestError(THINKING_NEEDS_PARSER, "thinking")
         if not isinstance(body, MessagesRequest):
             return {}  # the budget does not change the prompt
         if body.thinking.budget_tokens >= body.max_tokens:
@@ -175,14 +179,13 @@ def _thinking(body: CountTokensRequest, reasoning: bool) -> dict[str, Any]:
                 f"thinking.budget_tokens ({body.thinking.budget_tokens}) must be less than max_tokens "
                 f"({body.max_tokens}), which counts the thinking too", "thinking.budget_tokens")
         return {"thinking_token_budget": body.thinking.budget_tokens}
-    if isinstance(body.thinking, ThinkingDisabled) and reasoning:
-        # What a hybrid thinking template (Qwen3's) reads; a template without the switch ignores it.
-        return {"chat_template_kwargs": {"enable_thinking": False}}
-    return {}
+    fields = effort_fields(body.output_config.effort if body.output_config is not None else None)
+    if not isinstance(body, MessagesRequest):
+        fields.pop("thinking_token_budget", None)  # the budget does not change the prompt
+    return fields
 
 
-def chat_request(body: CountTokensRequest, tool_call_parser: str | None,
-                 reasoning: bool = False) -> ChatCompletionRequest:
+def chat_request(body: CountTokensRequest, reasoning: bool = False) -> ChatCompletionRequest:
     """The chat completion request that `body` means (a count_tokens request: its prompt only);
     `reasoning`: the server has a reasoning parser."""
     fields: dict[str, Any] = {"model": body.model, "messages": _chat_messages(body), **_thinking(body, reasoning)}
@@ -191,7 +194,7 @@ def chat_request(body: CountTokensRequest, tool_call_parser: str | None,
             "name": tool.name, "description": tool.description, "parameters": tool.input_schema, "strict": tool.strict,
         }} for tool in body.tools]
     if isinstance(body, MessagesRequest):
-        fields["tool_choice"], fields["parallel_tool_calls"] = _tool_choice(body, tool_call_parser)
+        fields["tool_choice"], fields["parallel_tool_calls"] = _tool_choice(body)
         if body.output_config is not None and body.output_config.format is not None:
             if fields["tool_choice"] not in (None, "none", "auto"):
                 raise InvalidRequestError(

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
+
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -21,6 +24,8 @@ from roseinfer.server.protocol import (
 )
 from roseinfer.server.serving import guarded_sse
 
+STARTED = time.time()  # the model's "created" time: when this server came up
+
 
 def register(app: FastAPI, context: ApiContext) -> None:
     engine, serving, check_model = context.engine, context.serving, context.check_model
@@ -28,10 +33,24 @@ def register(app: FastAPI, context: ApiContext) -> None:
     router = APIRouter()
     generation_errors = errors(400, 401, 404, 408, 413, 500, 503)
 
+    def card() -> ModelCard:
+        created = datetime.fromtimestamp(STARTED, UTC).isoformat().replace("+00:00", "Z")
+        default_cap = engine.input_processor.limits.default_max_tokens
+        return ModelCard(id=context.model_name, root=engine.model_name, max_model_len=engine.max_model_len,
+                         created=int(STARTED), display_name=context.model_name, created_at=created,
+                         max_input_tokens=engine.max_model_len,
+                         max_tokens=min(default_cap or engine.max_model_len, engine.max_model_len))
+
     @router.get("/v1/models", responses=errors(401))
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=context.model_name, root=engine.model_name,
-                                         max_model_len=engine.max_model_len)])
+        return ModelList(data=[card()], first_id=context.model_name, last_id=context.model_name)
+
+    @router.get("/v1/models/{model_id:path}", responses=errors(401, 404))
+    async def model(model_id: str) -> ModelCard:
+        """The served model (OpenAI's retrieve; Anthropic's, which Claude Code asks for its context
+        and output limits); any other name is a 404."""
+        context.check_model(model_id)
+        return card()
 
     @router.post("/v1/completions", responses=streamed(CompletionResponse, CompletionResponse) | generation_errors)
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -139,15 +140,37 @@ def nesting_depth_exceeds(value: Any, limit: int) -> bool:
     return bool(level)
 
 
+def _not_nested_too_deep(value: Any) -> Any:
+    if nesting_depth_exceeds(value, MAX_NESTING_DEPTH):
+        raise ValueError(f"nested more than {MAX_NESTING_DEPTH} levels deep (this server's limit)")
+    return value
+
+
+def bounded_nesting(*fields: str) -> Any:
+    """A request model's validator that bounds how deeply these free-JSON fields nest (assign it
+    to a class attribute: `_bounded = bounded_nesting("messages", "tools")`)."""
+    return field_validator(*fields, mode="before", check_fields=False)(_not_nested_too_deep)
+
+
+def known_kinds(items: Sequence[Any], allowed: Sequence[str], what: str, where: str,
+                media: Sequence[str] = (), why: str = "") -> None:
+    """Check the `type` of each object in a list of parts, items or blocks against the kinds a
+    field takes: an unknown kind is a ValueError naming it and where it is (`where` formats the
+    index as {i}); a media kind (an image, a document) says it is the model that cannot take it."""
+    for i, item in enumerate(items):
+        kind = item.get("type") if isinstance(item, dict) else None
+        if not isinstance(kind, str) or kind in allowed:
+            continue
+        if kind in media:
+            raise ValueError(f"{where.format(i=i)}: {kind!r} {what} cannot be given to this model: {why}")
+        raise ValueError(f"{where.format(i=i)}: {what} of type {kind!r} are not supported by this server "
+                         f"(it takes {', '.join(allowed)})")
+
+
 class SamplingFields(StrictModel):
     """What completions and chat completions share."""
 
-    @field_validator(*_FREE_JSON_FIELDS, mode="before", check_fields=False)
-    @classmethod
-    def _not_nested_too_deep(cls, value: Any) -> Any:
-        if nesting_depth_exceeds(value, MAX_NESTING_DEPTH):
-            raise ValueError(f"nested more than {MAX_NESTING_DEPTH} levels deep (this server's limit)")
-        return value
+    _bounded = bounded_nesting(*_FREE_JSON_FIELDS)
 
     @model_validator(mode="before")
     @classmethod
@@ -425,17 +448,29 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """A model in OpenAI's shape, with Anthropic's Model fields beside (their official clients,
+    and Claude Code's model probe, read these): one object serves both."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "roseinfer"
     root: str | None = None
     max_model_len: int | None = None
+    type: Literal["model"] = "model"
+    display_name: str | None = None
+    created_at: str | None = None  # RFC 3339
+    max_input_tokens: int | None = None  # the context (Anthropic's name)
+    max_tokens: int | None = None  # the most a response generates: the default cap
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    # Anthropic's page fields (there is one page).
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
 
 
 class GenerateResponse(BaseModel):

@@ -27,12 +27,14 @@ from roseinfer.outputs import CompletionOutput
 from roseinfer.reasoning import ReasoningDelta, ReasoningStream
 from roseinfer.reasoning.base import Phase
 from roseinfer.server.api_family import ApiContext, ApiError, unless_disconnected
+from roseinfer.server.effort import effort_fields
 from roseinfer.server.error_responses import (
     GenerationError,
     error_type,
     generation_failure,
     status_of,
 )
+from roseinfer.server.ignored_fields import log_ignored
 from roseinfer.server.openapi import errors
 from roseinfer.server.protocol import (
     ChatCompletionRequest,
@@ -127,18 +129,18 @@ def text_constraint(body: ResponsesRequest) -> StructuredOutputsParams | None:
     return constraint
 
 
-def _thinking_kwargs(body: ResponsesRequest, reasoning: bool) -> dict[str, Any] | None:
-    """The chat template's kwargs for `reasoning` (`reasoning`: the server has a reasoning parser)."""
-    if body.reasoning is None:
-        return None
-    if not reasoning:
-        raise InvalidRequestError("reasoning needs a server started with --reasoning-parser, which this one "
-                                  "was not; leave reasoning out", "reasoning")
-    # Read by hybrid thinking templates (Qwen3's); one without the switch ignores it.
-    return {"enable_thinking": False} if body.reasoning.thinking_off else None
+def _thinking(body: ResponsesRequest, reasoning: bool) -> dict[str, Any]:
+    """The chat request's fields for `reasoning.effort` (`reasoning`: the server has a reasoning
+    parser; without one the effort is ignored, and logged so by the route)."""
+    if body.reasoning is None or not reasoning:
+        return {}
+    fields = effort_fields(body.reasoning.effort)
+    if body.thinking_token_budget is not None:  # the request's own bound wins over the effort's
+        fields.pop("thinking_token_budget", None)
+    return fields
 
 
-def _chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+def _chat_body(body: ResponsesRequest, messages: list[dict[str, Any]], reasoning: bool) -> ChatCompletionRequest:
     """The chat request whose tool calling and sampling this response shares."""
     tools = [ToolDefinition(function=FunctionDefinition(
         name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict))
@@ -150,7 +152,7 @@ def _chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCo
         return ChatCompletionRequest(
             messages=messages, tools=tools, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls,
             max_completion_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
-            stream=body.stream, thinking_token_budget=body.thinking_token_budget,
+            stream=body.stream, thinking_token_budget=body.thinking_token_budget, **_thinking(body, reasoning),
         )
     except ValidationError as exc:  # the input items made a message the chat shapes refuse
         raise InvalidRequestError(f"input: {exc.errors()[0]['msg']}", "input") from exc
@@ -175,7 +177,7 @@ class ResponsesServing:
             history = stored.messages
         conversation = chat_messages(body.input, history)
         messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
-        chat = _chat_body(body, messages)
+        chat = _chat_body(body, messages, self.serving.reasoning_parser is not None)
         tool_calling = tool_calling_for(chat, self.serving.tool_call_parser)
         constraint = text_constraint(body)
         if tool_calling is not None and tool_calling.structured_outputs is not None:
@@ -183,11 +185,13 @@ class ResponsesServing:
                 raise InvalidRequestError('tool_choice "required" or a named function already constrains the '
                                           "output; leave text.format out (or of type text)", "text.format")
             constraint = tool_calling.structured_outputs
-        kwargs = _thinking_kwargs(body, self.serving.reasoning_parser is not None)
         prompt = ChatPrompt(messages, tools=[tool.model_dump(exclude_none=True) for tool in chat.tools]
-                            if chat.tools else None, chat_template_kwargs=kwargs)
+                            if chat.tools else None, chat_template_kwargs=chat.chat_template_kwargs)
         params = sampling_params(chat, body.max_output_tokens, None, constraint)
-        return conversation, NewRequest(new_id("resp"), prompt, params), tool_calling
+        if tool_calling is not None and tool_calling.keeps_special_tokens:
+            params.skip_special_tokens = False
+        # max_output_tokens is an upper bound: cut to what fits after the prompt.
+        return conversation, NewRequest(new_id("resp"), prompt, params, fit_max_tokens=True), tool_calling
 
     async def submit(self, body: ResponsesRequest) -> tuple[Submitted, list[dict[str, Any]]]:
         conversation, request, tool_calling = self.prepare(body)
@@ -234,7 +238,7 @@ class ResponsesServing:
                      conversation: list[dict[str, Any]]) -> dict[str, Any]:
         (output,) = await self.serving.final_outputs(submitted)
         completion = output.outputs[0]
-        builder = OutputBuilder()
+        builder = OutputBuilder(_namespaces(body))
         tools = submitted.tool_calling.stream() if submitted.tool_calling is not None else None
         _feed(builder, tools, self._reasoning(output.prompt), completion, finished=True)
         status = _status(completion)
@@ -251,7 +255,7 @@ class ResponsesServing:
             sequence += 1
             return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
-        builder = OutputBuilder()
+        builder = OutputBuilder(_namespaces(body))
         try:
             started = self._response(body, submitted, "in_progress", [])
             yield sse({"type": "response.created", "response": started})
@@ -282,6 +286,11 @@ class ResponsesServing:
             error = {"code": error_type(status_of(exc)), "message": str(exc)}
             yield sse({"type": "response.failed",
                        "response": self._response(body, submitted, "failed", builder.items, error)})
+
+
+def _namespaces(body: ResponsesRequest) -> dict[str, str]:
+    """Function name -> the namespace tool it was flattened out of (its calls name it)."""
+    return {tool.name: tool.namespace for tool in body.tools or [] if tool.namespace is not None}
 
 
 def _status(completion: CompletionOutput) -> str:
@@ -349,6 +358,7 @@ def register(app: FastAPI, context: ApiContext) -> None:
         "The model named is not served here, or previous_response_id is not in the store."))
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         check_model(body.model)
+        log_ignored(request, body.ignored_fields(context.serving.reasoning_parser is not None))
         submitted, conversation = await responses.submit(body)
         if body.stream:
             return StreamingResponse(responses.stream(body, submitted, conversation), media_type="text/event-stream")

@@ -30,9 +30,10 @@ def _item_id(prefix: str) -> str:
 
 
 class OutputBuilder:
-    def __init__(self) -> None:
+    def __init__(self, namespaces: dict[str, str] | None = None) -> None:
         self.items: list[dict[str, Any]] = []  # the output so far; the open item, if any, is last
         self._open: dict[str, Any] | None = None
+        self._namespaces = namespaces or {}  # function name -> its namespace tool's name
 
     # -- pieces -------------------------------------------------------------------------------
     def text(self, delta: str) -> list[Event]:
@@ -58,6 +59,8 @@ class OutputBuilder:
             events += self.close("completed")
             self._open = {"id": _item_id("fc"), "type": "function_call", "call_id": piece.id,
                           "name": piece.name or "", "arguments": "", "status": "in_progress"}
+            if piece.name in self._namespaces:
+                self._open["namespace"] = self._namespaces[piece.name]
             events.append(self._added())
         elif self._open is None or self._open["type"] != "function_call":
             raise ValueError("a tool call's arguments came before its name")

@@ -5,6 +5,10 @@ As on the chat route, a request field that is not declared is a 400 naming it. T
 that would change the output and are not implemented (built-in tools, `background`,
 `conversation`, ...) are declared and accept only their "off" value (null, false, an
 empty list), so a request that asks for them is a 400 that names the field and says why.
+What agents such as Codex send and a server may leave unfilled (`client_metadata`, `include`
+entries, `reasoning.summary`, `text.verbosity`) is accepted, and `ignored_fields()` names it for a
+log line once per client; a `namespace` tool (a group of function tools) is flattened to its
+functions, whose calls come back with the namespace named.
 """
 
 from __future__ import annotations
@@ -22,13 +26,13 @@ from pydantic import (
     field_validator,
 )
 
-from roseinfer.server.protocol import MAX_NESTING_DEPTH, StrictModel, nesting_depth_exceeds, now
+from roseinfer.server.effort import Effort
+from roseinfer.server.protocol import StrictModel, bounded_nesting, known_kinds, now
 
 # Field -> why it is refused when given a value other than its "off" one.
 UNSUPPORTED_RESPONSE_FIELDS = {
     "background": "background responses are not supported; leave background out or false",
     "conversation": "conversations are not supported; continue with previous_response_id",
-    "include": "no extra output data (include) is available here; leave include out or empty",
     "prompt": "prompt templates are not supported; send input and instructions",
     "max_tool_calls": "max_tool_calls is not supported; use parallel_tool_calls: false for one call",
     "top_logprobs": "logprobs are not supported on /v1/responses; use /v1/chat/completions",
@@ -44,7 +48,8 @@ UNSUPPORTED_RESPONSE_FIELDS = {
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 _TEXT_PARTS = ("input_text", "output_text", "refusal")
 # Fields whose values may be any JSON: their nesting is bounded as on the chat route.
-_FREE_JSON_FIELDS = ("input", "tools", "text", "metadata")
+_FREE_JSON_FIELDS = ("input", "tools", "text", "metadata", "client_metadata")
+_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 
 
 class InputText(StrictModel):
@@ -76,11 +81,8 @@ class MessageItem(StrictModel):
     @classmethod
     def _text_parts_only(cls, content: Any) -> Any:
         if isinstance(content, list):
-            for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if isinstance(kind, str) and kind not in _TEXT_PARTS:
-                    raise ValueError(f"content[{j}]: {kind!r} parts are not supported (this server serves text "
-                                     f"models); use {', '.join(_TEXT_PARTS)}")
+            known_kinds(content, _TEXT_PARTS, "parts", "content[{i}]", media=_MEDIA_PARTS,
+                        why="this model reads text only")
         return content
 
     def text(self) -> str:
@@ -98,6 +100,7 @@ class FunctionCallItem(StrictModel):
     arguments: str
     id: str | None = None
     status: ItemStatus | None = None
+    namespace: str | None = None  # the namespace tool the function came from
 
 
 class FunctionCallOutputItem(StrictModel):
@@ -126,7 +129,9 @@ class ReasoningItem(StrictModel):
     id: str | None = None
     summary: list[ReasoningText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
-    encrypted_content: None = None  # nothing here encrypts reasoning, so none can be read back
+    # Nothing here encrypts reasoning, so none is written; one a client echoes back (from another
+    # server) cannot be read, and is dropped.
+    encrypted_content: str | None = None
     status: ItemStatus | None = None
 
     def text(self) -> str:
@@ -151,6 +156,25 @@ class FunctionTool(StrictModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    defer_loading: bool | None = None  # a hint for OpenAI's tool search: every tool is loaded here
+    namespace: str | None = None  # set when flattened out of a namespace tool (not a request field)
+
+
+def _flattened_tools(tools: list[Any]) -> list[Any]:
+    """`tools` with each {"type": "namespace", "name", "description", "tools": [...]} replaced by
+    its function tools, each remembering its namespace (a tool of another kind in it is a 400, as
+    at the top level)."""
+    flat = []
+    for i, tool in enumerate(tools):
+        if not (isinstance(tool, dict) and tool.get("type") == "namespace"):
+            flat.append(tool)
+            continue
+        inner, name = tool.get("tools"), tool.get("name")
+        if not isinstance(inner, list) or not isinstance(name, str) or not name:
+            raise ValueError(f"tools[{i}]: a namespace tool needs a name and a list of tools")
+        known_kinds(inner, ("function",), "tools", f"tools[{i}].tools[{{i}}]")
+        flat += [{**child, "namespace": name} for child in inner]
+    return flat
 
 
 class ToolChoiceFunction(StrictModel):
@@ -168,7 +192,7 @@ class TextFormat(StrictModel):
 
 class TextConfig(StrictModel):
     format: TextFormat | None = None
-    verbosity: None = None  # OpenAI's verbosity hint: not implemented, so only null
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint: not acted on (logged once)
 
     @field_validator("format")
     @classmethod
@@ -179,24 +203,11 @@ class TextConfig(StrictModel):
 
 
 class ReasoningConfig(StrictModel):
-    """`reasoning` (needs a server started with --reasoning-parser; checked where it is served)."""
+    """`reasoning`: with --reasoning-parser the effort is a thinking budget (effort.py); without
+    one nothing thinks, and it is logged as ignored."""
 
-    # "none"/"minimal": no thinking (the template's enable_thinking=false); the other levels have
-    # nothing to map onto here, so they are refused (thinking_token_budget bounds the thinking).
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; no summary is written
-
-    @field_validator("effort")
-    @classmethod
-    def _off_only(cls, effort: str | None) -> str | None:
-        if effort not in (None, "none", "minimal"):
-            raise ValueError(f'effort {effort!r} is not supported: only "none" or "minimal" (no thinking); '
-                             "bound the thinking with thinking_token_budget instead")
-        return effort
-
-    @property
-    def thinking_off(self) -> bool:
-        return self.effort in ("none", "minimal")
+    effort: Effort | None = None
+    summary: Literal["auto", "concise", "detailed", "none"] | None = None  # accepted; no summary is written
 
 
 class StreamOptions(StrictModel):
@@ -205,8 +216,6 @@ class StreamOptions(StrictModel):
 
 def _unsupported_off(name: str, value: Any) -> bool:
     """Whether `value` is the field's "off" value, which is accepted."""
-    if name == "include":
-        return value in (None, [])
     if name == "background":
         return value in (None, False)
     return value is None
@@ -253,6 +262,9 @@ class ResponsesRequest(StrictModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     service_tier: str | None = None
+    client_metadata: dict[str, Any] | None = None  # Codex's bookkeeping: unused
+    # Extra output data (encrypted reasoning, logprobs, sources): none is filled here; logged once.
+    include: list[str] | None = None
     # With --reasoning-parser (else a 400): the thinking's settings; ours, as on the chat route:
     # the most tokens the thinking may take before it is closed.
     reasoning: ReasoningConfig | None = None
@@ -260,7 +272,6 @@ class ResponsesRequest(StrictModel):
     # Refused unless "off" (see UNSUPPORTED_RESPONSE_FIELDS).
     background: bool | None = None
     conversation: Any = None
-    include: list[Any] | None = None
     prompt: Any = None
     max_tool_calls: Any = None
     top_logprobs: Any = None
@@ -279,34 +290,40 @@ class ResponsesRequest(StrictModel):
             raise ValueError(f"not supported by this server: {UNSUPPORTED_RESPONSE_FIELDS[info.field_name]}")
         return value
 
-    @field_validator(*_FREE_JSON_FIELDS, mode="before")
-    @classmethod
-    def _not_nested_too_deep(cls, value: Any) -> Any:
-        if nesting_depth_exceeds(value, MAX_NESTING_DEPTH):
-            raise ValueError(f"nested more than {MAX_NESTING_DEPTH} levels deep (this server's limit)")
-        return value
+    _bounded = bounded_nesting(*_FREE_JSON_FIELDS)
 
     @field_validator("input", mode="before")
     @classmethod
     def _known_item_types(cls, items: Any) -> Any:
         if isinstance(items, list):
-            for i, item in enumerate(items):
-                kind = item.get("type") if isinstance(item, dict) else None
-                if isinstance(kind, str) and kind not in _ITEM_TYPES:
-                    raise ValueError(f"input[{i}]: items of type {kind!r} are not supported by this server "
-                                     f"(it takes {', '.join(_ITEM_TYPES)})")
+            known_kinds(items, _ITEM_TYPES, "items", "input[{i}]")
         return items
 
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools_only(cls, tools: Any) -> Any:
         if isinstance(tools, list):
-            for i, tool in enumerate(tools):
-                kind = tool.get("type") if isinstance(tool, dict) else None
-                if isinstance(kind, str) and kind != "function":
-                    raise ValueError(f"tools[{i}]: the built-in tool {kind!r} is not supported by this server; "
-                                     'only tools of type "function"')
+            known_kinds(tools, ("function", "namespace"), "tools", "tools[{i}]")
+            return _flattened_tools(tools)
         return tools
+
+    def ignored_fields(self, reasoning: bool) -> dict[str, str]:
+        """The fields given that change nothing on this server (`reasoning`: it has a reasoning
+        parser, so the effort is honoured): field -> why."""
+        ignored = {}
+        if self.client_metadata:
+            ignored["client_metadata"] = "client bookkeeping, unused"
+        if self.include:
+            ignored["include"] = f"no extra output data ({', '.join(self.include)}) is written here"
+        if self.reasoning is not None and self.reasoning.summary not in (None, "none"):
+            ignored["reasoning.summary"] = "no reasoning summary is written (the reasoning itself is returned)"
+        if self.reasoning is not None and self.reasoning.effort is not None and not reasoning:
+            ignored["reasoning.effort"] = "the model does not think (no --reasoning-parser)"
+        if self.text is not None and self.text.verbosity is not None:
+            ignored["text.verbosity"] = "the model is not told how verbose to be"
+        if any(item.type == "reasoning" and item.encrypted_content for item in self.input):
+            ignored["input.reasoning.encrypted_content"] = "nothing here can decrypt reasoning"
+        return ignored
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -348,6 +365,7 @@ class OutputFunctionCall(BaseModel):
     name: str
     arguments: str
     status: ItemStatus
+    namespace: str | None = None  # the namespace tool the function came from
 
 
 class OutputReasoning(BaseModel):

@@ -35,6 +35,7 @@ from roseinfer.server.protocol import (
 )
 from roseinfer.server.tool_calling import ToolCalling, tool_calling_for
 from roseinfer.structured_output import StructuredOutputsParams
+from roseinfer.tool_parsers import detect_tool_parser
 
 logger = logging.getLogger("roseinfer.server")
 
@@ -142,6 +143,10 @@ class OpenAIServing:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
+        # tool_choice "auto": the format --tool-call-parser names, else the one the template writes.
+        if tool_call_parser is None:
+            tool_call_parser, found = detect_tool_parser(getattr(self.tokenizer, "chat_template", None))
+            logger.info("%s", found)
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = engine.reasoning_parser  # None: not a thinking model
 
@@ -197,6 +202,8 @@ class OpenAIServing:
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, body.completion_limit, logprobs, constraint)
+        if tool_calling is not None and tool_calling.keeps_special_tokens:
+            params.skip_special_tokens = False
         return [NewRequest(new_id("chatcmpl"), chat, params, cache_salt=body.cache_salt)], tool_calling
 
 

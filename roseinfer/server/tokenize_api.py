@@ -8,19 +8,18 @@ import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from roseinfer.errors import InvalidRequestError
 from roseinfer.server.api_family import ApiContext
 from roseinfer.server.openapi import errors
 from roseinfer.server.protocol import (
-    MAX_NESTING_DEPTH,
     ChatCompletionRequest,
     ChatMessage,
     StrictModel,
     TokenIds,
     ToolDefinition,
-    nesting_depth_exceeds,
+    bounded_nesting,
 )
 
 _CHAT_ONLY = ("add_generation_prompt", "chat_template_kwargs", "tools", "parse_special_tokens_in_messages")
@@ -43,12 +42,7 @@ class TokenizeRequest(StrictModel):
     tools: list[ToolDefinition] | None = None
     parse_special_tokens_in_messages: bool = False  # ours, as on the chat route
 
-    @field_validator("messages", "tools", "chat_template_kwargs", mode="before")
-    @classmethod
-    def _not_nested_too_deep(cls, value: Any) -> Any:
-        if nesting_depth_exceeds(value, MAX_NESTING_DEPTH):
-            raise ValueError(f"nested more than {MAX_NESTING_DEPTH} levels deep (this server's limit)")
-        return value
+    _bounded = bounded_nesting("messages", "tools", "chat_template_kwargs")
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:

@@ -1,7 +1,9 @@
 """What a chat request's `tools` and `tool_choice` ask of a response, as OpenAI defines them:
 
     "none"        the tools reach the chat template, the answer is plain content
-    "auto"        the model's own tool-call format, parsed by the server's --tool-call-parser
+    "auto"        the model's own tool-call format, parsed by the server's tool-call parser (the one
+                  its chat template writes, or --tool-call-parser); a template without a tool-call
+                  format answers in text
     "required"    the output is grammar-constrained to a JSON array of calls of the given tools
     {"function"}  the output is grammar-constrained to that function's arguments
 
@@ -43,6 +45,11 @@ class ToolCalling:
             return extract_named_tool_call(text, self.function_name)
         return self.parser.extract_tool_calls(text)
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the response must keep special tokens (the format's markers are some)."""
+        return self.parser is not None and self.parser.keeps_special_tokens
+
     def stream(self) -> ToolCallStream:
         if self.mode == "required":
             return RequiredToolCallStream()
@@ -65,12 +72,8 @@ def tool_calling_for(body: ChatCompletionRequest, tool_call_parser: str | None) 
         return None
     if choice == "auto":
         if tool_call_parser is None:
-            raise InvalidRequestError(
-                'tool_choice "auto" needs a server started with --tool-call-parser (hermes, llama3_json); '
-                'tool_choice "required" or a named function works with any model',
-                "tool_choice",
-            )
-        return ToolCalling("auto", parser=get_tool_parser(tool_call_parser))
+            return None  # no tool-call format known for this model: the answer is text
+        return ToolCalling("auto", parser=get_tool_parser(tool_call_parser, tools))
     if choice == "required":
         schema = required_tool_calls_schema(tools)
         if not body.parallel_tool_calls:

@@ -98,9 +98,27 @@ class ToolCallStream(ABC):
 
 
 class ToolParser(ABC):
-    """Finds the tool calls a model wrote in its own format."""
+    """Finds the tool calls a model wrote in its own format (one per response; `tools`: the
+    request's OpenAI function tools, for formats that need their schemas to type arguments)."""
 
     name: ClassVar[str]
+    # How a chat template that writes this format is recognised: any one group of strings that
+    # all appear in it (see detect.py; the most specific match wins).
+    template_markers: ClassVar[tuple[tuple[str, ...], ...]] = ()
+    # Whether the format's markers are special tokens, which the response must then keep.
+    keeps_special_tokens: ClassVar[bool] = False
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self.tools = tools or []
+
+    def parameter_schema(self, function: str, parameter: str) -> dict[str, Any]:
+        """The JSON Schema of a function's parameter in the request's tools ({} if not given)."""
+        for tool in self.tools:
+            spec = tool.get("function", {})
+            if spec.get("name") == function:
+                schema = ((spec.get("parameters") or {}).get("properties") or {}).get(parameter)
+                return schema if isinstance(schema, dict) else {}
+        return {}
 
     @abstractmethod
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:

@@ -33,6 +33,7 @@ def _parse_block(body: str) -> ToolCall | None:
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    template_markers = ((START,),)
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         pieces: list[str | ToolCall] = []  # text outside valid calls, and the calls, in order

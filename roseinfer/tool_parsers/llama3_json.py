@@ -51,6 +51,8 @@ def _looks_like_calls(stripped: str) -> bool:
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
+    # Llama 3.1/3.3 name the tag; 3.2 only asks for the JSON ("a dictionary of argument name and its value").
+    template_markers = ((PYTHON_TAG,), ("dictionary of argument name",))
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         if _looks_like_calls(text.lstrip()):
