@@ -205,9 +205,9 @@ def test_errors_have_anthropics_shape(server, client):
         "unknown field 'top_a': Anthropic's Messages API does not define it here (see the README for the "
         "accepted fields)")}}
     unsupported = httpx.post(server.url + "/v1/messages", headers={"x-api-key": KEY}, json={
-        "model": MODEL, "messages": QUESTION, "max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 2048}})
+        "model": MODEL, "messages": QUESTION, "max_tokens": 8, "container": "container_1"})
     assert unsupported.status_code == 400 and unsupported.json()["error"]["type"] == "invalid_request_error"
-    assert unsupported.json()["error"]["message"].startswith("thinking: ")
+    assert "code-execution containers are not supported" in unsupported.json()["error"]["message"]
     missing = httpx.post(server.url + "/v1/messages", headers={"x-api-key": KEY}, json={"model": MODEL, "messages": QUESTION})
     assert missing.status_code == 400
     assert missing.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens is required"}}

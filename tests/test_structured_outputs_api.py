@@ -276,7 +276,6 @@ def test_logit_bias_becomes_a_tensor_once_per_request_not_once_per_step(default_
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
         ({"tool_choice": "required"}, "tool_choice", "only allowed when tools"),
-        ({"tools": [WEATHER]}, "tool_choice", "--tool-call-parser"),
         ({"frobnicate": True}, "frobnicate", "unknown field"),
         ({"functions": []}, "functions", "use `tools`"),
         ({"logit_bias": {"x": 1}}, "logit_bias", "not a token id"),
