@@ -186,3 +186,34 @@ def test_caps_that_do_not_fit(server, claude, codex):
     with pytest.raises(openai.BadRequestError) as refused:
         codex.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=limit * 4)
     assert "more than fit" in refused.value.body["message"]
+
+
+def test_effort_is_a_thinking_budget_when_the_model_thinks():
+    """Adaptive thinking with output_config.effort (Messages) and reasoning.effort (Responses) become
+    the chat request's thinking fields with a reasoning parser, nothing without one."""
+    from roseinfer.server.anthropic_protocol import MessagesRequest
+    from roseinfer.server.anthropic_serving import chat_request
+    from roseinfer.server.effort import EFFORT_BUDGETS
+    from roseinfer.server.responses_api import _chat_body
+    from roseinfer.server.responses_protocol import ResponsesRequest
+
+    def messages(effort: str, thinking: str = "adaptive") -> MessagesRequest:
+        return MessagesRequest.model_validate({"model": MODEL, "max_tokens": 4096, "messages": [
+            {"role": "user", "content": "Hi"}], "thinking": {"type": thinking}, "output_config": {"effort": effort}})
+
+    assert chat_request(messages("low"), reasoning=True).thinking_token_budget == EFFORT_BUDGETS["low"] == 512
+    assert chat_request(messages("high"), reasoning=True).thinking_token_budget is None
+    assert chat_request(messages("low"), reasoning=False).thinking_token_budget is None
+    assert chat_request(messages("low", "disabled"), reasoning=True).chat_template_kwargs == {"enable_thinking": False}
+    assert messages("low").ignored_fields(reasoning=False) == {
+        "thinking": "the model does not think (no --reasoning-parser)",
+        "output_config.effort": "the model does not think (no --reasoning-parser)"}
+    assert messages("low").ignored_fields(reasoning=True) == {}
+
+    def responses(effort: str) -> ResponsesRequest:
+        return ResponsesRequest.model_validate({"input": "Hi", "reasoning": {"effort": effort}})
+
+    body = [{"role": "user", "content": "Hi"}]
+    assert _chat_body(responses("medium"), body, reasoning=True).thinking_token_budget == EFFORT_BUDGETS["medium"]
+    assert _chat_body(responses("minimal"), body, reasoning=True).chat_template_kwargs == {"enable_thinking": False}
+    assert _chat_body(responses("medium"), body, reasoning=False).thinking_token_budget is None

@@ -169,3 +169,53 @@ def test_compiled_template_is_cached():
 def test_sandbox_hides_unsafe_attributes():
     # Printing an unsafe attribute yields an empty Undefined: nothing leaks.
     assert render_chat_template("{{ raise_exception.__globals__ }}", [{"role": "user", "content": "hi"}]) == ""
+
+
+# -- conversations as agents send them ------------------------------------------------------------
+
+AGENT_CONVERSATION = [
+    {"role": "system", "content": "You are an agent."},
+    {"role": "developer", "content": "Sandbox: none."},
+    {"role": "user", "content": "Fix the bug."},
+    {"role": "user", "content": [{"type": "text", "text": "It is in app.py."}]},
+    {"role": "assistant", "content": "Looking."},
+    {"role": "system", "content": "Reminder: be brief."},
+    {"role": "user", "content": "Go on."},
+]
+# The same conversation in the shape strict templates take: one leading system message, the later
+# system turn a user turn where it stood, consecutive user turns merged.
+AGENT_CONFORMED = [
+    {"role": "system", "content": "You are an agent.\n\nSandbox: none."},
+    {"role": "user", "content": "Fix the bug.\n\nIt is in app.py."},
+    {"role": "assistant", "content": "Looking."},
+    {"role": "user", "content": "Reminder: be brief.\n\nGo on."},
+]
+
+
+def test_strict_templates_get_the_conversation_as_they_allow():
+    """Mixtral's and Gemma 3's templates raise "roles must alternate" for the conversation as sent."""
+    from pathlib import Path
+
+    from hf_to_gguf import llama_cpp_chat_template
+
+    templates = Path(__file__).parent / "chat_templates"
+    for template in ((templates / "mistralai-Mixtral-8x7B-Instruct-v0.1.jinja").read_text(),
+                     (templates / "google-gemma-3-4b-it.jinja").read_text()):
+        assert render_chat_template(template, AGENT_CONVERSATION, bos_token="<s>", eos_token="</s>") == \
+            render_chat_template(template, AGENT_CONFORMED, bos_token="<s>", eos_token="</s>")
+    # Gemma 2's template has no system role: the system text opens the first user turn.
+    gemma2 = llama_cpp_chat_template("google-gemma-2-2b-it")
+    folded = [{"role": "user", "content": "You are an agent.\n\nSandbox: none.\n\nFix the bug.\n\nIt is in app.py."},
+              *AGENT_CONFORMED[2:]]
+    assert render_chat_template(gemma2, AGENT_CONVERSATION, bos_token="<bos>") == render_chat_template(
+        gemma2, folded, bos_token="<bos>")
+
+
+def test_templates_that_take_the_conversation_render_it_as_sent(smollm_tokenizer):
+    """ChatML (the default model's) takes system turns anywhere: nothing is moved, so an agent's
+    earlier turns render the same text every turn (its prefix-cache hits). Only a developer turn,
+    a role the template does not know, is read as system."""
+    as_system = [{**m, "role": "system"} if m["role"] == "developer" else m for m in AGENT_CONVERSATION]
+    assert smollm_tokenizer.apply_chat_template(AGENT_CONVERSATION) == smollm_tokenizer.apply_chat_template(as_system)
+    assert "Reminder: be brief.<|im_end|>\n<|im_start|>user\nGo on." in smollm_tokenizer.apply_chat_template(
+        AGENT_CONVERSATION)

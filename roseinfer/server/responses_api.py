@@ -136,7 +136,7 @@ def _thinking(body: ResponsesRequest, reasoning: bool) -> dict[str, Any]:
         return {}
     fields = effort_fields(body.reasoning.effort)
     if body.thinking_token_budget is not None:  # the request's own bound wins over the effort's
-        fields.pop("thinking_token_budget", None)
+        fields["thinking_token_budget"] = body.thinking_token_budget
     return fields
 
 
@@ -152,7 +152,7 @@ def _chat_body(body: ResponsesRequest, messages: list[dict[str, Any]], reasoning
         return ChatCompletionRequest(
             messages=messages, tools=tools, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls,
             max_completion_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
-            stream=body.stream, thinking_token_budget=body.thinking_token_budget, **_thinking(body, reasoning),
+            stream=body.stream, **({"thinking_token_budget": body.thinking_token_budget} | _thinking(body, reasoning)),
         )
     except ValidationError as exc:  # the input items made a message the chat shapes refuse
         raise InvalidRequestError(f"input: {exc.errors()[0]['msg']}", "input") from exc
