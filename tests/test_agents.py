@@ -131,7 +131,8 @@ def codex_turn(items: list, **fields) -> dict:
         {"type": "function", "name": "read_file", "description": "Read a file.", "strict": False,
          "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"],
                         "additionalProperties": False}}]}
-    return {"model": MODEL, "instructions": "You are Codex.", "input": items, "tools": [shell, files],
+    hosted = {"type": "web_search", "external_web_access": False}  # OpenAI runs it: left out here
+    return {"model": MODEL, "instructions": "You are Codex.", "input": items, "tools": [shell, files, hosted],
             "tool_choice": "auto", "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "auto"},
             "store": False, "stream": True, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "thread-1",
             "text": {"verbosity": "low"}, "extra_body": {"client_metadata": {"x-codex-turn": "1"}, "temperature": 0}} | fields
@@ -163,6 +164,8 @@ def test_codex_turns_stream_without_an_api_error(server, codex):
     completed(list(codex.responses.create(**codex_turn(echoed))))
     log = server.output()
     assert log.count("codex_exec/0.171.0 sends client_metadata") == 1 and "sends include" in log
+    assert "codex_exec/0.171.0 sends tools, which this server accepts and ignores: left out, the model cannot be " \
+           "given them here: web_search tool" in log
 
 
 def test_chat_agents_tools_auto_answer_in_text(codex):

@@ -238,7 +238,7 @@ RESPONSES = "/v1/responses"
 @pytest.mark.parametrize(
     ("body", "status", "param", "message"),
     [
-        ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools", "'web_search' are not supported"),
+        ({"input": "hi", "tools": [{"type": "telepathy"}]}, 400, "tools", "'telepathy' are not supported"),
         ({"input": "hi", "background": True}, 400, "background", "background responses are not supported"),
         ({"input": "hi", "conversation": "conv_1"}, 400, "conversation", "conversations are not supported"),
         ({"input": "hi", "truncation": "auto"}, 400, "truncation", "disabled"),

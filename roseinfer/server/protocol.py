@@ -153,13 +153,14 @@ def bounded_nesting(*fields: str) -> Any:
 
 
 def known_kinds(items: Sequence[Any], allowed: Sequence[str], what: str, where: str,
-                media: Sequence[str] = (), why: str = "") -> None:
+                media: Sequence[str] = (), why: str = "", also: Sequence[str] = ()) -> None:
     """Check the `type` of each object in a list of parts, items or blocks against the kinds a
-    field takes: an unknown kind is a ValueError naming it and where it is (`where` formats the
-    index as {i}); a media kind (an image, a document) says it is the model that cannot take it."""
+    field takes (`allowed`, and `also`, which the caller handles otherwise): an unknown kind is a
+    ValueError naming it and where it is (`where` formats the index as {i}); a media kind (an
+    image, a document) says it is the model that cannot take it."""
     for i, item in enumerate(items):
         kind = item.get("type") if isinstance(item, dict) else None
-        if not isinstance(kind, str) or kind in allowed:
+        if not isinstance(kind, str) or kind in allowed or kind in also:
             continue
         if kind in media:
             raise ValueError(f"{where.format(i=i)}: {kind!r} {what} cannot be given to this model: {why}")

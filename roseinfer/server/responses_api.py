@@ -146,6 +146,8 @@ def _chat_body(body: ResponsesRequest, messages: list[dict[str, Any]], reasoning
         name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict))
         for tool in body.tools] if body.tools else None
     choice = body.tool_choice
+    if tools is None and choice in ("auto", "none"):  # every tool given was one left out (a hosted tool)
+        choice = None
     if choice is not None and not isinstance(choice, str):
         choice = NamedToolChoice(function=NamedFunction(name=choice.name))
     try:

@@ -21,13 +21,20 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from roseinfer.server.effort import Effort
-from roseinfer.server.protocol import StrictModel, bounded_nesting, known_kinds, now
+from roseinfer.server.protocol import (
+    StrictModel,
+    bounded_nesting,
+    known_kinds,
+    now,
+)
 
 # Field -> why it is refused when given a value other than its "off" one.
 UNSUPPORTED_RESPONSE_FIELDS = {
@@ -160,20 +167,34 @@ class FunctionTool(StrictModel):
     namespace: str | None = None  # set when flattened out of a namespace tool (not a request field)
 
 
-def _flattened_tools(tools: list[Any]) -> list[Any]:
+# Tools the model cannot be given here: OpenAI's hosted tools (run by OpenAI's servers) and
+# freeform "custom" tools (their input is constrained by a grammar this server does not take). An
+# agent sends them with its function tools by default (Codex: web_search, apply_patch): they are
+# left out, so the model answers with the tools it can call, and the route logs them once.
+UNAVAILABLE_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
+                     "computer_use_preview", "computer", "mcp", "local_shell", "shell", "apply_patch", "custom",
+                     "tool_search")
+
+
+def _flattened_tools(tools: list[Any], dropped: list[str]) -> list[Any]:
     """`tools` with each {"type": "namespace", "name", "description", "tools": [...]} replaced by
-    its function tools, each remembering its namespace (a tool of another kind in it is a 400, as
-    at the top level)."""
+    its function tools, each remembering its namespace; UNAVAILABLE_TOOLS left out (named in
+    `dropped`)."""
     flat = []
     for i, tool in enumerate(tools):
-        if not (isinstance(tool, dict) and tool.get("type") == "namespace"):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind in UNAVAILABLE_TOOLS:
+            dropped.append(f"{kind} tool {tool.get('name')!r}" if tool.get("name") else f"{kind} tool")
+        elif kind != "namespace":
             flat.append(tool)
-            continue
-        inner, name = tool.get("tools"), tool.get("name")
-        if not isinstance(inner, list) or not isinstance(name, str) or not name:
-            raise ValueError(f"tools[{i}]: a namespace tool needs a name and a list of tools")
-        known_kinds(inner, ("function",), "tools", f"tools[{i}].tools[{{i}}]")
-        flat += [{**child, "namespace": name} for child in inner]
+        else:
+            inner, name = tool.get("tools"), tool.get("name")
+            if not isinstance(inner, list) or not isinstance(name, str) or not name:
+                raise ValueError(f"tools[{i}]: a namespace tool needs a name and a list of tools")
+            known_kinds(inner, ("function",), "tools", f"tools[{i}].tools[{{i}}]", also=UNAVAILABLE_TOOLS)
+            dropped += [f"{child['type']} tool {name}.{child.get('name')}" for child in inner
+                        if child.get("type") in UNAVAILABLE_TOOLS]
+            flat += [{**child, "namespace": name} for child in inner if child.get("type") == "function"]
     return flat
 
 
@@ -299,18 +320,31 @@ class ResponsesRequest(StrictModel):
             known_kinds(items, _ITEM_TYPES, "items", "input[{i}]")
         return items
 
+    _unavailable_tools: list[str] = PrivateAttr(default_factory=list)
+
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools_only(cls, tools: Any) -> Any:
         if isinstance(tools, list):
-            known_kinds(tools, ("function", "namespace"), "tools", "tools[{i}]")
-            return _flattened_tools(tools)
+            known_kinds(tools, ("function", "namespace"), "tools", "tools[{i}]", also=UNAVAILABLE_TOOLS)
+            return _flattened_tools(tools, []) or None
         return tools
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_unavailable_tools(cls, data: Any, handler: Any) -> Any:
+        request = handler(data)  # the tools are checked (and flattened) by _function_tools_only
+        tools = data.get("tools") if isinstance(data, dict) else None
+        if isinstance(tools, list) and tools:
+            _flattened_tools(tools, request._unavailable_tools)
+        return request
 
     def ignored_fields(self, reasoning: bool) -> dict[str, str]:
         """The fields given that change nothing on this server (`reasoning`: it has a reasoning
         parser, so the effort is honoured): field -> why."""
         ignored = {}
+        if self._unavailable_tools:
+            ignored["tools"] = f"left out, the model cannot be given them here: {', '.join(self._unavailable_tools)}"
         if self.client_metadata:
             ignored["client_metadata"] = "client bookkeeping, unused"
         if self.include:
