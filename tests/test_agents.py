@@ -10,6 +10,7 @@ default) answers in text, and a named tool choice still calls the tool under a g
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 
 import anthropic
@@ -88,7 +89,7 @@ def test_claude_code_turns_stream_without_an_api_error(server, claude):
     counted = claude.messages.count_tokens(model=MODEL, messages=second, tools=fields["tools"], system=fields["system"],
                                            thinking=fields["thinking"],
                                            extra_body={"context_management": fields["extra_body"]["context_management"]})
-    assert counted.input_tokens == reply.usage.input_tokens
+    assert counted.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
     # Said once for this client, however many requests carry it.
     log = server.output()
     assert log.count(f"{CLAUDE_AGENT} sends context_management") == 1, log
@@ -220,3 +221,27 @@ def test_effort_is_a_thinking_budget_when_the_model_thinks():
     assert _chat_body(responses("medium"), body, reasoning=True).thinking_token_budget == EFFORT_BUDGETS["medium"]
     assert _chat_body(responses("minimal"), body, reasoning=True).chat_template_kwargs == {"enable_thinking": False}
     assert _chat_body(responses("medium"), body, reasoning=False).thinking_token_budget is None
+
+
+def test_an_agents_next_turn_reads_its_prefix_from_the_cache(server, claude, codex):
+    """The second turn resends the first with a new tail: its prefix comes from the prefix cache,
+    and each API says how much (Anthropic: cache_read_input_tokens beside input_tokens; OpenAI:
+    cached_tokens), also for the same conversation sent through another API."""
+    system = f"Session {uuid.uuid4()}. You are a coding agent. " + "Follow the rules. " * 40
+    first = [{"role": "user", "content": "Read notes.txt"}]
+    one = claude.messages.create(model=MODEL, max_tokens=4, system=system, messages=first, extra_body={"temperature": 0})
+    assert one.usage.cache_read_input_tokens == 0
+    second = [*first, {"role": "assistant", "content": one.content[0].text or "."},
+              {"role": "user", "content": "Now edit it."}]
+    two = claude.messages.create(model=MODEL, max_tokens=4, system=system, messages=second, extra_body={"temperature": 0})
+    # The first turn's prompt and answer (its KV too is cached), all but the last, partial block.
+    shared = one.usage.input_tokens
+    assert shared - 16 < two.usage.cache_read_input_tokens <= shared + one.usage.output_tokens
+    assert two.usage.input_tokens + two.usage.cache_read_input_tokens == claude.messages.count_tokens(
+        model=MODEL, system=system, messages=second).input_tokens
+    # The same conversation through the chat and Responses routes renders the same text: a hit too.
+    chat = codex.chat.completions.create(model=MODEL, max_tokens=1, messages=[{"role": "system", "content": system},
+                                                                              *second])
+    assert chat.usage.prompt_tokens_details.cached_tokens >= two.usage.cache_read_input_tokens
+    response = codex.responses.create(model=MODEL, max_output_tokens=1, instructions=system, input=second)
+    assert response.usage.input_tokens_details.cached_tokens >= two.usage.cache_read_input_tokens

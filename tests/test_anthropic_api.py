@@ -56,6 +56,12 @@ def template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = Non
                             add_special_tokens=False)
 
 
+def prompt_tokens(usage) -> int:
+    """The prompt's tokens: those computed and those read from the prefix cache (Anthropic counts
+    them apart)."""
+    return usage.input_tokens + usage.cache_read_input_tokens
+
+
 def openai_tools(*tools: dict) -> list[dict]:
     return [{"type": "function", "function": {"name": t["name"], "description": t["description"],
                                               "parameters": t["input_schema"]}} for t in tools]
@@ -94,7 +100,7 @@ def test_create_answers_as_the_chat_route_with_counted_usage(server, client, tok
     assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[choice.finish_reason]
     assert message.stop_sequence is None
     prompt = template_ids(tokenizer, [{"role": "system", "content": SYSTEM}, *QUESTION])
-    assert message.usage.input_tokens == len(prompt) == reference.usage.prompt_tokens
+    assert prompt_tokens(message.usage) == len(prompt) == reference.usage.prompt_tokens
     assert message.usage.output_tokens == reference.usage.completion_tokens
 
 
@@ -112,7 +118,7 @@ def test_stream_sends_anthropics_events_in_order_and_the_same_text(server, clien
     assert [event.type for event in events] == [name for name in names if name != "ping"]
     start = events[0].message
     assert start.id.startswith("msg_") and start.content == [] and start.stop_reason is None
-    assert start.usage.input_tokens == whole.usage.input_tokens
+    assert prompt_tokens(start.usage) == prompt_tokens(whole.usage)
     assert events[1].content_block.type == "text" and events[1].index == 0
     assert all(e.index == 0 and e.delta.type == "text_delta" for e in events[2:-3])
     assert "".join(e.delta.text for e in events[2:-3]) == whole.content[0].text
@@ -157,14 +163,14 @@ def test_tool_use_round_trip(client, tokenizer):
                  {"role": "assistant", "content": "", "tool_calls": [
                      {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.input}}]},
                  {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
-    assert second.usage.input_tokens == len(template_ids(tokenizer, as_openai, openai_tools(WEATHER)))
+    assert prompt_tokens(second.usage) == len(template_ids(tokenizer, as_openai, openai_tools(WEATHER)))
     # A result of several text blocks: their lines, as the chat route joins text parts.
     longer = [*conversation[:-1], {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "18 degrees and sunny"},
                                                                     {"type": "text", "text": "with a light breeze"}]}]}]
     as_openai[-1]["content"] = "18 degrees and sunny\nwith a light breeze"
     assert client.messages.count_tokens(model=MODEL, messages=longer, tools=[WEATHER]).input_tokens == len(
-        template_ids(tokenizer, as_openai, openai_tools(WEATHER))) > second.usage.input_tokens
+        template_ids(tokenizer, as_openai, openai_tools(WEATHER))) > prompt_tokens(second.usage)
 
 
 def test_tool_use_streams_as_input_json_deltas(client):

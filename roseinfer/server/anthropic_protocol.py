@@ -362,8 +362,15 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
 class MessageUsage(BaseModel):
+    """As Anthropic counts them: `input_tokens` are the prompt tokens computed for this request,
+    `cache_read_input_tokens` those found in the prefix cache (an agent's earlier turns), so the
+    prompt is their sum. Nothing is written to a cache on request here (cache_control is a hint;
+    the prefix cache fills itself), so cache_creation_input_tokens is 0."""
+
     input_tokens: int
     output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
 
 
 class MessageResponse(BaseModel):

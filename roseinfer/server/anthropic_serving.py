@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from roseinfer.engine.input_processor import ChatPrompt
 from roseinfer.errors import InvalidRequestError
-from roseinfer.outputs import CompletionOutput
+from roseinfer.outputs import CompletionOutput, RequestOutput
 from roseinfer.reasoning import ReasoningDelta, ReasoningStream
 from roseinfer.server.anthropic_protocol import (
     AnthropicErrorInfo,
@@ -346,7 +346,7 @@ class AnthropicServing:
         return MessageResponse(
             id=_message_id(submitted), model=self.serving.model_name, content=thinking + content + tool_blocks,
             stop_reason=stop_reason, stop_sequence=stop_sequence,
-            usage=MessageUsage(input_tokens=len(output.prompt_token_ids), output_tokens=submitted.completion_tokens),
+            usage=_usage(output, submitted, submitted.completion_tokens),
         )
 
     async def message_stream(self, body: MessagesRequest, submitted: Submitted) -> AsyncIterator[str]:
@@ -363,7 +363,7 @@ class AnthropicServing:
             if last is None:
                 events.append(MessageStartEvent(message=MessageResponse(
                     id=_message_id(submitted), model=self.serving.model_name, content=[],
-                    usage=MessageUsage(input_tokens=len(output.prompt_token_ids), output_tokens=0))))
+                    usage=_usage(output, submitted, 0))))
                 if parser is not None:
                     reasoning = parser.stream(output.prompt)
                 elif tools is None:  # a plain answer: its text block opens at once, as Anthropic's does
@@ -395,6 +395,12 @@ class AnthropicServing:
                       MessageStopEvent()]:
             yield _event(event)
         submitted.log()
+
+
+def _usage(output: RequestOutput, submitted: Submitted, output_tokens: int) -> MessageUsage:
+    cached = sum(submitted.cached_tokens.values())
+    return MessageUsage(input_tokens=len(output.prompt_token_ids) - cached, output_tokens=output_tokens,
+                        cache_read_input_tokens=cached)
 
 
 def _message_id(submitted: Submitted) -> str:
