@@ -175,7 +175,8 @@ def test_chat_agents_tools_auto_answer_in_text(codex):
     messages = [{"role": "system", "content": "You are opencode."}, {"role": "user", "content": "Read notes.txt"},
                 {"role": "system", "content": "Reminder: be brief."}]
     chunks = list(codex.chat.completions.create(model=MODEL, messages=messages, tools=tools, stream=True,
-                                                temperature=0, stream_options={"include_usage": True}))
+                                                temperature=0, stream_options={"include_usage": True},
+                                                reasoning_effort="low"))  # no thinking here: ignored
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text and chunks[-1].usage.completion_tokens <= DEFAULT_CAP
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] in (["length"], ["stop"])

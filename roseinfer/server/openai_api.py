@@ -12,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 from roseinfer.server.api_family import ApiContext, unless_disconnected
 from roseinfer.server.chat_serving import ChatServing
 from roseinfer.server.completions_serving import CompletionServing
+from roseinfer.server.ignored_fields import log_ignored
 from roseinfer.server.openapi import errors, finish_document, streamed
 from roseinfer.server.protocol import (
     ChatCompletionChunk,
@@ -64,6 +65,7 @@ def register(app: FastAPI, context: ApiContext) -> None:
                  | generation_errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
+        log_ignored(request, body.ignored_fields(serving.reasoning_parser is not None))
         requests, tool_calling = serving.chat_requests(body)
         submitted = await serving.submit("/v1/chat/completions", "chatcmpl", requests, body.n, tool_calling)
         if body.stream:

@@ -44,8 +44,6 @@ UNSUPPORTED_FIELDS = {
     "modalities": "only text output is supported; leave modalities out",
     "functions": "the deprecated `functions` is not supported; use `tools`",
     "function_call": "the deprecated `function_call` is not supported; use `tool_choice`",
-    "reasoning_effort": "not supported; with a thinking model use thinking_token_budget, or "
-                        "chat_template_kwargs {\"enable_thinking\": false}",
     "verbosity": "not supported; leave verbosity out",
     "web_search_options": "web search is not supported",
     "suffix": "suffix (fill-in-the-middle) is not supported",
@@ -296,6 +294,15 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     prediction: dict[str, Any] | None = None  # OpenAI's predicted output: a speed hint, same output
     include_reasoning: bool = True  # vLLM's: false leaves the thinking out of the response
+    # How hard a thinking model thinks: a thinking budget with --reasoning-parser (effort.py); else
+    # nothing thinks, and it is logged as ignored.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    def ignored_fields(self, reasoning: bool) -> dict[str, str]:
+        """The fields given that change nothing here (`reasoning`: a reasoning parser honours them)."""
+        if self.reasoning_effort is not None and not reasoning:
+            return {"reasoning_effort": "the model does not think (no --reasoning-parser)"}
+        return {}
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -20,6 +20,7 @@ from roseinfer.engine.input_processor import ChatPrompt
 from roseinfer.errors import InvalidRequestError
 from roseinfer.outputs import CompletionOutput, RequestOutput
 from roseinfer.sampling_params import RequestOutputKind, SamplingParams
+from roseinfer.server.effort import effort_fields
 from roseinfer.server.error_responses import (
     GenerationError,
     error_event,
@@ -194,9 +195,15 @@ class OpenAIServing:
                     "leave response_format and structured_outputs out", "tool_choice",
                 )
             constraint = tool_calling.structured_outputs
+        if body.reasoning_effort is not None and self.reasoning_parser is not None:
+            effort = effort_fields(body.reasoning_effort)
+            body = body.model_copy(update={
+                "thinking_token_budget": body.thinking_token_budget if body.thinking_token_budget is not None
+                else effort.get("thinking_token_budget"),
+                "chat_template_kwargs": effort.get("chat_template_kwargs", {}) | (body.chat_template_kwargs or {})})
         chat = ChatPrompt(
             [m.model_dump(exclude_none=True) for m in body.messages], body.add_generation_prompt,
-            body.chat_template_kwargs,
+            body.chat_template_kwargs or None,
             tools=[tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
             parse_special_tokens_in_messages=body.parse_special_tokens_in_messages,
         )
