@@ -55,9 +55,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--protect-metrics", action="store_true",
                        help="with --api-key, require the key on /health and /metrics too")
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                       help='how the model writes tool calls, for tool_choice "auto" (hermes: Qwen2.5/Qwen3\'s '
-                            '<tool_call> JSON; llama3_json: Llama 3\'s JSON); "required" and named tool choices '
-                            "need none")
+                       help='how the model writes tool calls, for tool_choice "auto" (default: the format its chat '
+                            "template writes; none found: auto answers in text); \"required\" and named tool "
+                            "choices need none")
     group.add_argument("--disable-web-ui", action="store_true",
                        help="do not serve the chat page at / (it is on by default)")
     group.add_argument("--max-queue-len", type=int, default=None,
