@@ -59,12 +59,12 @@ def _model(kind: str, vocab: int):
         return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
             **config, intermediate_size=192, norm_eps=1e-5, conv_L_cache=3, block_multiple_of=16, pad_token_id=0,
             layer_types=["conv", "conv", "full_attention", "conv"]))
-    if kind == "granite":  # Granite 4: three Mamba2 layers, one attention layer (no rotary, as Granite 4's
+    if kind.startswith("granite"):  # Granite 4: three Mamba2 layers, one attention layer (no rotary, as Granite 4's
         # hybrids), experts and a shared MLP, every multiplier away from 1
         return transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(
             vocab_size=vocab, hidden_size=64, intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
-            num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+            num_local_experts=0 if kind == "granite_dense" else 4, num_experts_per_tok=2, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
             mamba_d_head=16, mamba_expand=2, mamba_d_conv=4, layer_types=["mamba", "mamba", "attention", "mamba"],
             embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0,
             eos_token_id=0, bos_token_id=0, pad_token_id=0, initializer_range=0.1, tie_word_embeddings=False))
@@ -108,7 +108,7 @@ class TinyHybrid:
 
     def _convert(self, root: Path, kind: str) -> Path:
         source = self.hf_dir
-        if kind == "granite":
+        if kind.startswith("granite"):
             # transformers 5 writes Granite's layer types as linear_attention / full_attention; the
             # converter reads the published configs' spelling, mamba / attention.
             source = root / f"{kind}-for-converter"
@@ -232,6 +232,16 @@ def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(tiny_hybrid, mon
         for output in core.step().outputs:
             tokens += output.new_token_ids
     assert tokens == tiny_hybrid.expected[2]
+
+
+def test_granite_without_experts(tmp_path):
+    """A Granite 4 hybrid without experts (as granite-4.0-h-micro: each layer's MLP is its shared
+    SwiGLU alone, which llama.cpp's converter writes as the plain FFN): transformers' greedy tokens
+    from the Hugging Face directory and from the GGUF file."""
+    built = TinyHybrid("granite_dense", tmp_path)
+    for path in (built.hf_dir, built.gguf):
+        llm = LLM(str(path), dtype="float32", max_num_batched_tokens=32, **EXACT)
+        assert _greedy(llm, built.prompts) == built.expected
 
 
 def test_a_multimodal_checkpoint_runs_its_language_model(tmp_path):
