@@ -118,13 +118,16 @@ class TinyHybrid:
             (source / "config.json").write_text(json.dumps(config))
         if kind == "nemotron_h":
             # The published configs spell the blocks as a pattern (transformers 5 writes a list the
-            # converter reads as mixture-of-experts blocks), and carry no expert keys.
+            # converter reads as mixture-of-experts blocks) and carry no expert keys; transformers 5's
+            # config class would add them back (the converter would write nemotron_h_moe), so, as for
+            # Qwen3.5-MoE below, a model_type it does not know makes the converter read the file as is.
             source = root / f"{kind}-for-converter"
             shutil.copytree(self.hf_dir, source)
             config = json.loads((source / "config.json").read_text())
             config = {key: value for key, value in config.items()
                       if key != "layers_block_type" and not key.startswith(("num_experts", "n_routed", "moe_"))}
-            config.update(hybrid_override_pattern=NEMOTRON_BLOCKS, num_hidden_layers=len(NEMOTRON_BLOCKS))
+            config.update(hybrid_override_pattern=NEMOTRON_BLOCKS, num_hidden_layers=len(NEMOTRON_BLOCKS),
+                          model_type="tiny_nemotron_h")
             (source / "config.json").write_text(json.dumps(config))
         if kind == "qwen3_5_moe":
             # transformers 5 gives a qwen3_5_moe_text directory Qwen's own tokenizer class whatever
