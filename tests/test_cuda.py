@@ -136,10 +136,10 @@ def test_bfloat16_greedy_follows_transformers_until_a_near_tie(tiny_llama, bfloa
     assert agreed >= len(prompts), f"only {agreed} tokens agreed over {len(prompts)} prompts"
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granite"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granite", "nemotron_h"])
 def tiny_hybrid_cuda(request, tmp_path_factory: pytest.TempPathFactory):
     """A tiny random hybrid model (Qwen3.5 and its MoE variant, Qwen3-Next: Gated DeltaNet; LFM2:
-    short convolutions; Granite 4: Mamba2), its Hugging Face directory and transformers' float32
+    short convolutions; Granite 4, Nemotron-H: Mamba2), its Hugging Face directory and transformers' float32
     model of it on the GPU."""
     from test_hybrid_models import TinyHybrid
 

@@ -1,6 +1,6 @@
 """Hybrid models with recurrent layers (layers/recurrent/): tiny random Qwen3.5, Qwen3.5-MoE and
 Qwen3-Next (Gated DeltaNet, models/qwen3_5.py), LFM2 (short convolutions, models/lfm2.py) and
-Granite 4 (Mamba2, models/granite_hybrid.py), built by transformers' own classes, saved as Hugging
+Granite 4 and Nemotron-H (Mamba2, models/granite_hybrid.py, models/nemotron_h.py), built by transformers' own classes, saved as Hugging
 Face directories and converted to GGUF by llama.cpp's own converter. roseinfer's greedy tokens
 equal transformers' and its logits (teacher forced) are within float32 tolerance, from both files,
 over batches of prompts of different lengths (one longer than a 64-token block of the chunked
@@ -39,7 +39,9 @@ TOKENS = 12
 TOLERANCE = 1e-3  # float32 logits
 # A one-token prompt (decoded from its first step), short ones, and one past two delta-rule blocks.
 PROMPT_LENGTHS = (1, 7, 150, 40)
-KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granite")
+KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granite", "nemotron_h")
+# Nemotron-H's blocks: three Mamba2, two MLP (ReLU²), one attention (no rotary).
+NEMOTRON_BLOCKS = "M-*M-M"
 
 
 def _model(kind: str, vocab: int):
@@ -57,15 +59,23 @@ def _model(kind: str, vocab: int):
         return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
             **config, intermediate_size=192, norm_eps=1e-5, conv_L_cache=3, block_multiple_of=16, pad_token_id=0,
             layer_types=["conv", "conv", "full_attention", "conv"]))
-    if kind == "granite":  # Granite 4: three Mamba2 layers, one attention layer (no rotary, as Granite 4's
+    if kind.startswith("granite"):  # Granite 4: three Mamba2 layers, one attention layer (no rotary, as Granite 4's
         # hybrids), experts and a shared MLP, every multiplier away from 1
         return transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(
             vocab_size=vocab, hidden_size=64, intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
-            num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+            num_local_experts=0 if kind == "granite_dense" else 4, num_experts_per_tok=2, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
             mamba_d_head=16, mamba_expand=2, mamba_d_conv=4, layer_types=["mamba", "mamba", "attention", "mamba"],
             embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0,
             eos_token_id=0, bos_token_id=0, pad_token_id=0, initializer_range=0.1, tie_word_embeddings=False))
+    if kind == "nemotron_h":
+        kinds = {"M": "mamba", "*": "attention", "-": "mlp"}
+        return transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
+            vocab_size=vocab, hidden_size=64, layers_block_type=[kinds[block] for block in NEMOTRON_BLOCKS],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8,
+            mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, max_position_embeddings=512,
+            layer_norm_epsilon=1e-5, eos_token_id=0, bos_token_id=0, pad_token_id=0, initializer_range=0.1,
+            tie_word_embeddings=False))
     if kind == "qwen3_5":
         return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(intermediate_size=96, **common))
     if kind == "qwen3_5_moe":
@@ -87,6 +97,9 @@ class TinyHybrid:
                     param.normal_(0.0 if kind.startswith("qwen") else 1.0, 0.3)
                 elif name.endswith(".D"):  # Mamba2's skip
                     param.normal_(1.0, 0.3)
+                elif name.endswith(".dt_bias"):  # (Nemotron-H's initial steps sit at transformers'
+                    # prefill-only floor, time_step_min, which its decode and roseinfer do not apply)
+                    param.fill_(1.0)
         self.reference.save_pretrained(self.hf_dir)
         self.gguf = self._convert(root, kind) if gguf else None
         generator = torch.Generator().manual_seed(1)
@@ -95,13 +108,26 @@ class TinyHybrid:
 
     def _convert(self, root: Path, kind: str) -> Path:
         source = self.hf_dir
-        if kind == "granite":
+        if kind.startswith("granite"):
             # transformers 5 writes Granite's layer types as linear_attention / full_attention; the
             # converter reads the published configs' spelling, mamba / attention.
             source = root / f"{kind}-for-converter"
             shutil.copytree(self.hf_dir, source)
             config = json.loads((source / "config.json").read_text())
             config["layer_types"] = ["mamba" if layer == "linear_attention" else "attention" for layer in config["layer_types"]]
+            (source / "config.json").write_text(json.dumps(config))
+        if kind == "nemotron_h":
+            # The published configs spell the blocks as a pattern (transformers 5 writes a list the
+            # converter reads as mixture-of-experts blocks) and carry no expert keys; transformers 5's
+            # config class would add them back (the converter would write nemotron_h_moe), so, as for
+            # Qwen3.5-MoE below, a model_type it does not know makes the converter read the file as is.
+            source = root / f"{kind}-for-converter"
+            shutil.copytree(self.hf_dir, source)
+            config = json.loads((source / "config.json").read_text())
+            config = {key: value for key, value in config.items()
+                      if key != "layers_block_type" and not key.startswith(("num_experts", "n_routed", "moe_"))}
+            config.update(hybrid_override_pattern=NEMOTRON_BLOCKS, num_hidden_layers=len(NEMOTRON_BLOCKS),
+                          model_type="tiny_nemotron_h")
             (source / "config.json").write_text(json.dumps(config))
         if kind == "qwen3_5_moe":
             # transformers 5 gives a qwen3_5_moe_text directory Qwen's own tokenizer class whatever
@@ -146,7 +172,7 @@ def test_greedy_tokens_and_logits_match_transformers(tiny_hybrid, source):
     path = tiny_hybrid.hf_dir if source == "hf" else tiny_hybrid.gguf
     llm = LLM(str(path), dtype="float32", **EXACT)
     recurrent = [m for m in llm.engine.runner.model.modules() if type(m) in RECURRENCES.values()]
-    kind = {"lfm2": ShortConv, "granite": Mamba2Mixer}.get(tiny_hybrid.kind, GatedDeltaNet)
+    kind = {"lfm2": ShortConv, "granite": Mamba2Mixer, "nemotron_h": Mamba2Mixer}.get(tiny_hybrid.kind, GatedDeltaNet)
     assert len(recurrent) == 3 and all(isinstance(layer, kind) for layer in recurrent)
     assert _greedy(llm, tiny_hybrid.prompts) == tiny_hybrid.expected
     worst = compare_logits_step_by_step(llm.engine, tiny_hybrid.reference, tiny_hybrid.prompts, 2)
@@ -209,6 +235,16 @@ def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(tiny_hybrid, mon
         for output in core.step().outputs:
             tokens += output.new_token_ids
     assert tokens == tiny_hybrid.expected[2]
+
+
+def test_granite_without_experts(tmp_path):
+    """A Granite 4 hybrid without experts (as granite-4.0-h-micro: each layer's MLP is its shared
+    SwiGLU alone, which llama.cpp's converter writes as the plain FFN): transformers' greedy tokens
+    from the Hugging Face directory and from the GGUF file."""
+    built = TinyHybrid("granite_dense", tmp_path)
+    for path in (built.hf_dir, built.gguf):
+        llm = LLM(str(path), dtype="float32", max_num_batched_tokens=32, **EXACT)
+        assert _greedy(llm, built.prompts) == built.expected
 
 
 def test_a_multimodal_checkpoint_runs_its_language_model(tmp_path):

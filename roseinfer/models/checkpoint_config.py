@@ -107,6 +107,11 @@ class HFConfigSource:
         )
 
 
+def _widest(value: Any) -> int:
+    """A size GGUF gives for the whole model, or per layer (a list): the largest."""
+    return max(int(item) for item in value) if isinstance(value, list) else int(value)
+
+
 class GGUFConfigSource:
     """A GGUF file's metadata (keys under its general.architecture), and the architecture name of
     the registry that reads it."""
@@ -129,7 +134,8 @@ class GGUFConfigSource:
             num_layers=int(self.key("block_count")),
             num_heads=heads,
             # (a model whose every FFN is experts may not write it: Qwen3.5-MoE)
-            intermediate_size=int(self.key("feed_forward_length", 0 if self.get("expert_count") else None)),
+            # (Nemotron-H's converter writes one per layer, 0 for the layers without an MLP: the widest)
+            intermediate_size=_widest(self.key("feed_forward_length", 0 if self.get("expert_count") else None)),
             max_position_embeddings=int(self.key("context_length")),
             tie_word_embeddings=not gguf.has_tensor("output.weight"),
             eos_token_ids=list(dict.fromkeys(eos)),

@@ -22,7 +22,7 @@ from roseinfer.models.gguf_file import GGUFFile
 from roseinfer.models.registry import GGUF_ARCHITECTURES, GGUF_EXPERT_ARCHITECTURES, model_class_for
 
 _ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-_PERMUTED_QK = ("llama", "mistral", "granitehybrid")  # the converter's convention for these files' q/k rows
+_PERMUTED_QK = ("llama", "mistral", "granitehybrid", "nemotron_h")  # the converter's convention for these files' q/k rows
 # Tensor names: each model class's gguf_layer_names / gguf_global_names (models/llama.py, ...).
 
 

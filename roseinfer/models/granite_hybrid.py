@@ -97,6 +97,10 @@ class GraniteHybridForCausalLM(nn.Module):
     gguf_layer_names: ClassVar[dict[str, str]] = {
         **LLAMA_GGUF_LAYER_NAMES,
         "ffn_gate_inp": "mlp.gate",
+        # a model without experts (granite-4.0-h-micro): the converter writes its shared MLP as the FFN
+        "ffn_gate": "shared_mlp.gate_proj",
+        "ffn_up": "shared_mlp.up_proj",
+        "ffn_down": "shared_mlp.down_proj",
         "ffn_gate_shexp": "shared_mlp.gate_proj",
         "ffn_up_shexp": "shared_mlp.up_proj",
         "ffn_down_shexp": "shared_mlp.down_proj",
@@ -268,7 +272,8 @@ class GraniteHybridForCausalLM(nn.Module):
                 "residual_multiplier": float(source.get("residual_scale", 1.0)),
                 "attention_multiplier": float(source.get("attention.scale", 1.0)),
                 "logits_scaling": float(source.get("logit_scale", 1.0)),
-                "shared_intermediate_size": int(source.key("expert_shared_feed_forward_length")),
+                "shared_intermediate_size": gguf.tensor_shape(
+                    "blk.0.ffn_up_shexp.weight" if moe is not None else "blk.0.ffn_up.weight")[0],
                 # llama.cpp rotates a Granite hybrid's attention only where this flag is set
                 "rope": bool(source.get("rope.scaling.finetuned", False)),
             },

@@ -20,6 +20,7 @@ from roseinfer.models.granite_hybrid import GraniteHybridForCausalLM
 from roseinfer.models.lfm2 import Lfm2ForCausalLM
 from roseinfer.models.llama import LlamaForCausalLM
 from roseinfer.models.moe import MoeForCausalLM
+from roseinfer.models.nemotron_h import NemotronHForCausalLM
 from roseinfer.models.phi3 import Phi3ForCausalLM
 from roseinfer.models.qwen3_5 import Qwen35ForCausalLM
 
@@ -33,6 +34,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_5": Qwen35ForCausalLM,  # and Qwen3.5-MoE, Qwen3-Next
     "lfm2": Lfm2ForCausalLM,
     "granite_hybrid": GraniteHybridForCausalLM,  # Granite 4
+    "nemotron_h": NemotronHForCausalLM,  # dense Nemotron-H (Mamba2, attention and MLP blocks)
 }
 
 
