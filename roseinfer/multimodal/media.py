@@ -140,8 +140,8 @@ def _check_url(url: str, field_name: str, policy: MediaPolicy) -> tuple[str, str
     if not host_allowed(host, policy.allowed_media_domains):
         raise _bad(field_name, f"{host!r} is not among the domains this server fetches images from")
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    # A listed name may still resolve to a private or loopback address: only a host listed as
-    # that literal address (or a name the operator listed knowing where it points) is fetched.
+    # A listed name may resolve to a private or loopback address (or be repointed there later):
+    # such an address is fetched only when the operator listed the address itself.
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
     except OSError as exc:
@@ -149,15 +149,10 @@ def _check_url(url: str, field_name: str, policy: MediaPolicy) -> tuple[str, str
     for address in addresses:
         ip = ipaddress.ip_address(address.split("%")[0])
         internal = ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_reserved or ip.is_multicast
-        if internal and not host_allowed(address, policy.allowed_media_domains) \
-                and not _listed_exactly(host, policy.allowed_media_domains):
+        if internal and not host_allowed(address, policy.allowed_media_domains):
             raise _bad(field_name, f"{host!r} resolves to the internal address {address}, which is fetched "
                                    "only when listed in --allowed-media-domains")
     return parts.scheme, host, port
-
-
-def _listed_exactly(host: str, allowed: Sequence[str]) -> bool:
-    return host.lower().rstrip(".") in {entry.lower().rstrip(".") for entry in allowed}
 
 
 def _fetch(url: str, field_name: str, policy: MediaPolicy) -> bytes:
