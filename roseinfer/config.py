@@ -65,6 +65,15 @@ class MoeConfig:
 
 
 @dataclass
+class VisionConfig:
+    """A vision-language checkpoint's image side (models/vision/): its encoder family and the
+    checkpoint's own configuration, which that family reads."""
+
+    family: str  # a key of models/vision.VISION_ENCODERS and multimodal/prompt_images
+    hf_config: dict[str, Any]
+
+
+@dataclass
 class ModelConfig:
     """The architecture hyper-parameters a model implementation needs, whatever file they came from."""
 
@@ -105,6 +114,7 @@ class ModelConfig:
     # The dtype a Hugging Face checkpoint's weights are stored in ("bfloat16", "float32", ...), which
     # --dtype auto follows on the CPU where it runs fast; None for GGUF files (float32 activations).
     checkpoint_dtype: str | None = None
+    vision: VisionConfig | None = None  # a vision-language model's image encoder
 
     def kv_row_elements(self, dtype: torch.dtype) -> int:
         """Pool elements of one token's keys (or values) for one KV head: head_dim, or for a q8_0
