@@ -275,6 +275,10 @@ class EngineConfig:
     # naming the field; 0: no limit. llguidance's own fuel limits end most pathological grammars
     # sooner (a grammar near them compiles in about 2 s here); this bounds what they let through.
     grammar_compile_timeout: float = 30.0
+    # Images (vision-language models; multimodal/media.py): the hosts whose http(s) image URLs may
+    # be fetched (None: none, only data URLs and base64), and the most images in one request.
+    allowed_media_domains: list[str] | None = None
+    limit_mm_per_prompt: int | None = None
 
     DEFAULT_KV_CACHE_GIB = 2.0
 
@@ -312,6 +316,8 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not self.grammar_compile_timeout >= 0:  # also refuses NaN
             raise bad("grammar_compile_timeout", f"must be >= 0 seconds (0: none), got {self.grammar_compile_timeout}")
+        if self.limit_mm_per_prompt is not None and self.limit_mm_per_prompt < 0:
+            raise bad("limit_mm_per_prompt", f"must be >= 0, got {self.limit_mm_per_prompt}")
         if self.pooling not in POOLING_TYPES:
             raise bad("pooling", f"must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         self.torch_device  # noqa: B018 - validates the device string early

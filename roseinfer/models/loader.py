@@ -168,6 +168,20 @@ def _safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
+def load_vision_encoder(config: EngineConfig, model_config: ModelConfig) -> nn.Module:
+    """A vision-language model's image encoder (models/vision), with its checkpoint's weights."""
+    from roseinfer.models.vision import VISION_ENCODERS
+
+    vision = model_config.vision
+    encoder = VISION_ENCODERS[vision.family].from_hf_config(vision.hf_config)
+    source = ModelSource.resolve(config.model, config.tokenizer)
+    missing, unexpected = encoder.load_state_dict(source.vision_weights(), strict=False)
+    if missing or unexpected:
+        raise ModelLoadError(f"{source.path}: the image encoder's weights do not match its configuration "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return encoder
+
+
 def load_model_weights(config: EngineConfig, model_config: ModelConfig) -> nn.Module:
     """The model of `config.model` with its weights, on the configured device, dtype and kernels."""
     source = ModelSource.resolve(config.model, config.tokenizer)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -19,6 +20,26 @@ from roseinfer.common.messages import ImageInput
 from roseinfer.errors import InvalidRequestError, ModelLoadError
 from roseinfer.multimodal.media import LoadedImage
 from roseinfer.tokenizer import Tokenizer
+
+
+def image_source(part: Any) -> str | bytes | None:
+    """The image a message content part carries (a URL, a data URL or base64), None for any
+    other part. The API fronts hand images over in OpenAI's shape ({"type": "image_url",
+    "image_url": {"url": ...}}); offline callers may also use the Hugging Face shape
+    ({"type": "image", "image": <url, data URL or bytes>})."""
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    if kind == "image_url":
+        value = part.get("image_url")
+        url = value.get("url") if isinstance(value, dict) else value
+    elif kind in ("image", "input_image"):
+        url = part.get("image", part.get("url", part.get("image_url")))
+    else:
+        return None
+    if not isinstance(url, str | bytes) or not url:
+        raise InvalidRequestError("an image part needs its image as a URL, a data URL or base64", "messages")
+    return url
 
 
 class PromptImageProcessor(ABC):
