@@ -149,6 +149,9 @@ def normalize_messages(messages: Any, *, keep_parts: bool = False) -> list[dict[
         content = message.get("content")
         if isinstance(content, list):
             texts = _text_parts(content, index)
+            if not keep_parts and len(texts) < len(content):
+                raise ValueError(f"messages[{index}] holds an image, but this model's chat template does not "
+                                 "read a message's parts, so it cannot place it")
             copy["content"] = [dict(part) for part in content] if keep_parts else "\n".join(texts)
         elif content is None:
             # An assistant turn that only calls tools has no content; anything else needs some.
@@ -166,6 +169,8 @@ def normalize_messages(messages: Any, *, keep_parts: bool = False) -> list[dict[
 def _text_parts(parts: list[Any], index: int) -> list[str]:
     texts = []
     for part in parts:
+        if part == {"type": "image"}:  # an image's place (its pixels went to the input processor)
+            continue
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(

@@ -76,6 +76,15 @@ class RecurrentConfig:
 
 
 @dataclass
+class VisionConfig:
+    """A vision-language checkpoint's image side (models/vision/): its encoder family and the
+    checkpoint's own configuration, which that family reads."""
+
+    family: str  # a key of models/vision.VISION_ENCODERS and multimodal/prompt_images
+    hf_config: dict[str, Any]
+
+
+@dataclass
 class ModelConfig:
     """The architecture hyper-parameters a model implementation needs, whatever file they came from."""
 
@@ -120,6 +129,7 @@ class ModelConfig:
     # The dtype a Hugging Face checkpoint's weights are stored in ("bfloat16", "float32", ...), which
     # --dtype auto follows on the CPU where it runs fast; None for GGUF files (float32 activations).
     checkpoint_dtype: str | None = None
+    vision: VisionConfig | None = None  # a vision-language model's image encoder
 
     def kv_row_elements(self, dtype: torch.dtype) -> int:
         """Pool elements of one token's keys (or values) for one KV head: head_dim, or for a q8_0
@@ -280,6 +290,10 @@ class EngineConfig:
     # naming the field; 0: no limit. llguidance's own fuel limits end most pathological grammars
     # sooner (a grammar near them compiles in about 2 s here); this bounds what they let through.
     grammar_compile_timeout: float = 30.0
+    # Images (vision-language models; multimodal/media.py): the hosts whose http(s) image URLs may
+    # be fetched (None: none, only data URLs and base64), and the most images in one request.
+    allowed_media_domains: list[str] | None = None
+    limit_mm_per_prompt: int | None = None
 
     DEFAULT_KV_CACHE_GIB = 2.0
 
@@ -317,6 +331,8 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not self.grammar_compile_timeout >= 0:  # also refuses NaN
             raise bad("grammar_compile_timeout", f"must be >= 0 seconds (0: none), got {self.grammar_compile_timeout}")
+        if self.limit_mm_per_prompt is not None and self.limit_mm_per_prompt < 0:
+            raise bad("limit_mm_per_prompt", f"must be >= 0, got {self.limit_mm_per_prompt}")
         if self.pooling not in POOLING_TYPES:
             raise bad("pooling", f"must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         self.torch_device  # noqa: B018 - validates the device string early

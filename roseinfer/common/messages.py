@@ -31,6 +31,24 @@ class ReasoningSpec:
 
 
 @dataclass
+class ImageInput:
+    """One image of a prompt: the run of prompt positions it fills and what its encoder reads.
+
+    Within the run, the positions holding `embed_token_id` take the encoder's output rows in
+    order; the others are ordinary tokens the processor wrapped the image in (tile separators).
+    `digest` (a hash of the image's bytes) keys the prefix cache and the encoder cache: the same
+    image reuses both, two different images never share either.
+    """
+
+    offset: int
+    length: int
+    digest: str
+    embed_token_id: int
+    pixel_values: np.ndarray  # as the model's processor made them, e.g. [tiles, channels, h, w]
+    pixel_attention_mask: np.ndarray | None = None
+
+
+@dataclass
 class EngineCoreRequest:
     """A validated, tokenized request with one sequence to generate (n > 1 is fanned out before),
     or, with `pooling_params` instead of `sampling_params`, a prompt to pool into one vector
@@ -52,6 +70,7 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     reasoning: ReasoningSpec | None = None
     pooling_params: PoolingParams | None = None
+    images: list[ImageInput] = field(default_factory=list)  # in prompt order
 
     def __post_init__(self) -> None:
         if (self.sampling_params is None) == (self.pooling_params is None):
@@ -117,6 +136,7 @@ class NewRequestData:
     block_ids: list[int] | list[list[int]]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None  # a pooling request: pool its prompt, sample nothing
+    images: list[ImageInput] = field(default_factory=list)  # its prompt's images, in order
 
 
 @dataclass

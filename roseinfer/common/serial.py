@@ -27,7 +27,8 @@ _CLASSES: dict[str, type] = {
     for cls in (
         messages.EngineCoreRequest, messages.EngineCoreOutput, messages.EngineCoreOutputs,
         messages.SchedulerStats, messages.SchedulerOutput, messages.NewRequestData,
-        messages.CachedRequestData, messages.ModelRunnerOutput, messages.ReasoningSpec, SamplingParams,
+        messages.CachedRequestData, messages.ModelRunnerOutput, messages.ReasoningSpec, messages.ImageInput,
+        SamplingParams,
         TokenLogprob, StructuredOutputsParams, PoolingParams,
     )
 }

@@ -80,7 +80,7 @@ class EngineCore:
         if self.long_rope_from is not None and core_request.num_prompt_tokens > self.long_rope_from:
             # LongRoPE: the whole prompt is rotated with the long frequencies (layers/rotary.long_rope),
             # so its blocks must not be shared with those of shorter prompts.
-            core_request.kv_variant = "long_rope"
+            core_request.kv_variant = "long_rope;" + (core_request.kv_variant or "")
         self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:

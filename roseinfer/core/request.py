@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from roseinfer.common.messages import EngineCoreRequest, ReasoningSpec
+from roseinfer.common.messages import EngineCoreRequest, ImageInput, ReasoningSpec
 from roseinfer.core.reasoning_tracker import ReasoningTracker
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
@@ -56,6 +56,7 @@ class Request:
         cache_salt: str | None = None,
         reasoning: ReasoningSpec | None = None,
         pooling_params: PoolingParams | None = None,
+        images: list[ImageInput] | None = None,
     ) -> None:
         if (sampling_params is None) == (pooling_params is None):
             raise ValueError(f"request {request_id!r} needs sampling_params or pooling_params (one of them)")
@@ -77,6 +78,12 @@ class Request:
         # Set by the engine core where the model computes this request's keys differently from
         # another's with the same tokens (LongRoPE past the original context): its own prefix cache.
         self.kv_variant: str | None = None
+        # A vision-language prompt's images. The image placeholders are the same token ids whatever
+        # the image, so the prompt's blocks are keyed by its images' digests as well: the same
+        # conversation with the same images shares them, different images never do.
+        self.images = images or []
+        if self.images:
+            self.kv_variant = "images:" + ",".join(image.digest for image in self.images)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -108,6 +115,7 @@ class Request:
             request.request_id, request.prompt_token_ids, request.sampling_params,
             eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time, fork_of=request.fork_of,
             cache_salt=request.cache_salt, reasoning=request.reasoning, pooling_params=request.pooling_params,
+            images=request.images,
         )
 
     @property

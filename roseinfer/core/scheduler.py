@@ -281,6 +281,7 @@ class Scheduler:
             block_ids=list(table),
             num_computed_tokens=request.num_computed_tokens,
             pooling_params=request.pooling_params,
+            images=request.images,
         )
 
     def replay_output(self, scheduled: SchedulerOutput, req_ids: list[str]) -> SchedulerOutput:

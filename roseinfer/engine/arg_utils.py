@@ -23,7 +23,7 @@ ENGINE_ARG_NAMES = (
     "attention_backend", "tensor_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
     "master_addr", "master_port", "cpu_threads_bind", "cpu_allreduce", "speculative_config", "reasoning_parser",
     "pooling", "pooling_normalize",
-    "grammar_compile_timeout",
+    "grammar_compile_timeout", "allowed_media_domains", "limit_mm_per_prompt",
 )
 
 
@@ -92,6 +92,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--grammar-compile-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="most seconds one structured-output grammar may compile; past it its requests "
                             "fail with a 400 naming the field (0: no limit; default 30)")
+    group.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="vision-language models: hosts whose http(s) image URLs may be fetched (exact "
+                            "names, '.example.com' for subdomains; an internal address only when listed "
+                            "itself); default none: images come as data URLs or base64 only")
+    group.add_argument("--limit-mm-per-prompt", type=_image_limit, default=None, metavar="N|JSON",
+                       help='vision-language models: most images in one request, as a number or vLLM\'s '
+                            '\'{"image": N}\' (default: no limit but the context)')
 
     parallel = parser.add_argument_group("tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA)")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -119,3 +126,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_cli(args: argparse.Namespace) -> EngineConfig:
     """The engine configuration of a parser built with `add_engine_args`."""
     return EngineConfig(**engine_args_from_cli(args))
+
+
+def _image_limit(text: str) -> int:
+    """--limit-mm-per-prompt: N, or vLLM's JSON {"image": N} (images are the only media here)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor JSON") from None
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"image"})
+        if unknown:
+            raise argparse.ArgumentTypeError(f"media kinds {unknown} are not taken by this server (only image)")
+        value = value.get("image", 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise argparse.ArgumentTypeError(f"the image limit must be a whole number >= 0, got {text!r}")
+    return value
+

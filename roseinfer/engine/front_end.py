@@ -12,6 +12,8 @@ from roseinfer.core.kv_pool_plan import plan_engine
 from roseinfer.engine.input_processor import InputProcessor, ProcessedRequest
 from roseinfer.engine.output_processor import OutputProcessor
 from roseinfer.models.loader import ModelSource
+from roseinfer.multimodal.media import MediaPolicy
+from roseinfer.multimodal.prompt_images import PROMPT_IMAGE_PROCESSORS
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.reasoning import get_reasoning_parser
 
@@ -31,9 +33,15 @@ class EngineFrontEnd:
         self.tokenizer = source.tokenizer()
         self.model_name = config.served_model_name or source.name
         self.max_model_len: int = config.max_model_len
+        # A vision-language model's images -> placeholder runs (multimodal/prompt_images.py).
+        vision = self.model_config.vision
+        prompt_images = PROMPT_IMAGE_PROCESSORS[vision.family](source.path, self.tokenizer) if vision else None
         self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len,
                                               self.reasoning_parser,
-                                              PoolingParams(config.pooling, config.pooling_normalize))
+                                              PoolingParams(config.pooling, config.pooling_normalize),
+                                              prompt_images,
+                                              MediaPolicy(tuple(config.allowed_media_domains or ()),
+                                                          limit_per_prompt=config.limit_mm_per_prompt))
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def register_request(self, processed: ProcessedRequest) -> list[EngineCoreRequest]:

@@ -27,9 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from roseinfer.common.messages import EngineCoreRequest, ReasoningSpec
+from roseinfer.common.messages import EngineCoreRequest, ImageInput, ReasoningSpec
 from roseinfer.config import ModelConfig
 from roseinfer.errors import ContextLengthError, InvalidRequestError
+from roseinfer.multimodal.media import LoadedImage, MediaPolicy, load_image
+from roseinfer.multimodal.prompt_images import PromptImageProcessor, image_source
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.reasoning import ReasoningParser
 from roseinfer.sampling_params import SamplingParams
@@ -112,8 +114,13 @@ class InputProcessor:
     def __init__(
         self, tokenizer: Tokenizer, model_config: ModelConfig, max_model_len: int,
         reasoning_parser: ReasoningParser | None = None, default_pooling: PoolingParams | None = None,
+        prompt_images: PromptImageProcessor | None = None, media_policy: MediaPolicy | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # A vision-language model's way from image parts to placeholder runs (None: text only),
+        # and the operator's limits on images (the server's --allowed-media-domains, ...).
+        self.prompt_images = prompt_images
+        self.media_policy = media_policy or MediaPolicy()
         self.vocab_size = model_config.vocab_size
         self.hidden_size = model_config.hidden_size
         # What a pooling request leaves unset (the engine's --pooling, --no-normalize).
@@ -148,20 +155,20 @@ class InputProcessor:
         if isinstance(params, PoolingParams):
             return self._process_pooling(request_id, prompt, params, add_special_tokens, arrival, cache_salt)
         self._check_stop_limits(params)
-        text, token_ids = self.prompt_token_ids(prompt, add_special_tokens)
+        text, token_ids, images = self._checked_prompt(prompt, add_special_tokens)
         params = self._resolve_params(params, len(token_ids), strict_max_tokens)
         reasoning = self._reasoning_spec(text, token_ids)
-        core_requests = self._fan_out(request_id, token_ids, params, arrival, cache_salt, reasoning)
+        core_requests = self._fan_out(request_id, token_ids, params, arrival, cache_salt, reasoning, images)
         return ProcessedRequest(request_id, text, token_ids, params, core_requests, arrival)
 
     def _process_pooling(
         self, request_id: str, prompt: PromptType, params: PoolingParams, add_special_tokens: bool, arrival: float,
         cache_salt: str | None,
     ) -> ProcessedRequest:
-        text, token_ids = self.prompt_token_ids(prompt, add_special_tokens)
+        text, token_ids, images = self._checked_prompt(prompt, add_special_tokens)
         params = self.resolve_pooling(params)
         core = EngineCoreRequest(request_id, token_ids, None, self.eos_token_ids, arrival, cache_salt=cache_salt,
-                                 pooling_params=params)
+                                 pooling_params=params, images=images)
         return ProcessedRequest(request_id, text, token_ids, None, [core], arrival, pooling_params=params)
 
     def resolve_pooling(self, params: PoolingParams) -> PoolingParams:
@@ -201,7 +208,12 @@ class InputProcessor:
 
     def prompt_token_ids(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(prompt text or None, checked token ids)."""
-        text, ids = self.tokenize(prompt, add_special_tokens)
+        text, ids, _ = self._checked_prompt(prompt, add_special_tokens)
+        return text, ids
+
+    def _checked_prompt(self, prompt: PromptType, add_special_tokens: bool) -> tuple[str | None, list[int], list[ImageInput]]:
+        """(prompt text or None, checked token ids, the prompt's images)."""
+        text, ids, images = self._tokenize(prompt, add_special_tokens)
         if not ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         if len(ids) > self.max_model_len:
@@ -210,16 +222,25 @@ class InputProcessor:
                 f"(max_model_len {self.max_model_len})",
                 "messages" if isinstance(prompt, ChatPrompt) else "prompt",
             )
-        return text, ids
+        return text, ids, images
 
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) with the checks that bound the work (the prompt's
         characters, token ids in the vocabulary) but not the context rule: what /tokenize and
-        count_tokens report, a prompt longer than the context included."""
+        count_tokens report, a prompt longer than the context included: an image counts its
+        placeholder tokens."""
+        text, ids, _ = self._tokenize(prompt, add_special_tokens)
+        return text, ids
+
+    def _tokenize(self, prompt: PromptType, add_special_tokens: bool) -> tuple[str | None, list[int], list[ImageInput]]:
+        images: list[ImageInput] = []
         if isinstance(prompt, ChatPrompt):
-            rendered = self._render_chat(prompt)
+            messages, loaded = self._take_images(prompt.messages)
+            rendered = self._render_chat(dataclasses.replace(prompt, messages=messages))
             text = self._check_prompt_chars(rendered.text, "messages")
             ids = self.tokenizer.encode_chat(rendered)  # the template wrote any BOS
+            if loaded:
+                ids, images = self.prompt_images.splice(ids, loaded, "messages")
         elif isinstance(prompt, str):
             text = self._check_prompt_chars(prompt, "prompt")
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
@@ -233,7 +254,38 @@ class InputProcessor:
                 )
         else:
             raise InvalidRequestError("a prompt (text, token ids or chat messages) is required", "prompt")
-        return text, ids
+        return text, ids, images
+
+    def _take_images(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[LoadedImage]]:
+        """The messages as the chat template reads them (each image part as {"type": "image"}),
+        and their images decoded, in order; a 400 naming the part for a bad image, or for any
+        image when the model takes none."""
+        images: list[LoadedImage] = []
+        result = []
+        for m, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str) and self.prompt_images is not None and self.prompt_images.content_as_parts:
+                message = {**message, "content": [{"type": "text", "text": content}]}
+            elif isinstance(content, list):
+                parts = []
+                for p, part in enumerate(content):
+                    source = image_source(part)
+                    if source is None:
+                        parts.append(part)
+                        continue
+                    field_name = f"messages[{m}].content[{p}]"
+                    if self.prompt_images is None:
+                        raise InvalidRequestError(f"{field_name}: this model takes no images (it is a text model)",
+                                                  field_name)
+                    limit = self.media_policy.limit_per_prompt
+                    if limit is not None and len(images) >= limit:
+                        raise InvalidRequestError(f"{field_name}: more than {limit} image(s) in one request "
+                                                  "(--limit-mm-per-prompt)", field_name)
+                    images.append(load_image(source, field_name, self.media_policy))
+                    parts.append({"type": "image"})
+                message = {**message, "content": parts}
+            result.append(message)
+        return result, images
 
     def _check_prompt_chars(self, text: str, param: str) -> str:
         limit = self.limits.max_prompt_chars
@@ -328,11 +380,12 @@ class InputProcessor:
 
     def _fan_out(
         self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float, cache_salt: str | None,
-        reasoning: ReasoningSpec | None = None,
+        reasoning: ReasoningSpec | None = None, images: list[ImageInput] | None = None,
     ) -> list[EngineCoreRequest]:
+        images = images or []
         if params.n == 1:
             return [EngineCoreRequest(request_id, token_ids, params, self.eos_token_ids, arrival,
-                                      cache_salt=cache_salt, reasoning=reasoning)]
+                                      cache_salt=cache_salt, reasoning=reasoning, images=images)]
         first = f"{request_id}/0"
         requests = []
         for index in range(params.n):
@@ -342,7 +395,7 @@ class InputProcessor:
                 child = dataclasses.replace(params, seed=seed - _SEED_SPACE if seed >= _SEED_SPACE else seed)
             requests.append(EngineCoreRequest(
                 f"{request_id}/{index}", token_ids, child, self.eos_token_ids, arrival,
-                fork_of=first if index else None, cache_salt=cache_salt, reasoning=reasoning,
+                fork_of=first if index else None, cache_salt=cache_salt, reasoning=reasoning, images=images,
             ))
         return requests
 

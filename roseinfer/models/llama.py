@@ -211,14 +211,18 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # instead of looking input_ids up (image rows spliced in)
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of a flattened batch (no padding)."""
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         rotations = self.rotary.rotations(positions, meta.long_rope)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rotations, kv_cache, meta)
         return self.model.norm.add_and_norm(hidden, residual)[0]
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary on rank 0 (None on the other ranks)."""

@@ -22,7 +22,11 @@ from roseinfer.heap import trim_heap
 from roseinfer.models.default_model import DEFAULT_MODEL_NAME, default_model_path
 from roseinfer.models.gguf_file import GGUFFile
 from roseinfer.models.gguf_loader import gguf_weights, model_config_from_gguf
-from roseinfer.models.hf_config import model_config_from_hf
+from roseinfer.models.hf_config import (
+    VISION_ENCODER_PREFIXES,
+    VISION_TEXT_PREFIX,
+    model_config_from_hf,
+)
 from roseinfer.models.registry import build_model
 from roseinfer.models.seed_checkpoint import load_seed_checkpoint, seed_weights
 from roseinfer.tokenizer import Tokenizer
@@ -110,11 +114,28 @@ class ModelSource:
     def weights(self, config: ModelConfig) -> Iterator[tuple[str, object]]:
         """Named checkpoint tensors as stored: dense torch tensors, or GGUF `BlockTensor`s."""
         if self.kind == "hf":
+            if config.vision is not None:
+                return _text_weights(_safetensors_weights(self.path))
             return _safetensors_weights(self.path)
         if self.kind == "gguf":
             return gguf_weights(self.gguf(), config)
         _, state_dict = load_seed_checkpoint(self.path)
         return seed_weights(state_dict)
+
+
+    def vision_weights(self) -> dict[str, torch.Tensor]:
+        """A vision-language checkpoint's encoder weights, named as the encoder module names them."""
+        return {name.removeprefix("model."): tensor for name, tensor in _safetensors_weights(self.path)
+                if name.startswith(VISION_ENCODER_PREFIXES)}
+
+
+def _text_weights(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The text model's tensors of a vision-language checkpoint, named as a text checkpoint's."""
+    for name, tensor in weights:
+        if name.startswith(VISION_TEXT_PREFIX):
+            yield "model." + name.removeprefix(VISION_TEXT_PREFIX), tensor
+        elif not name.startswith(VISION_ENCODER_PREFIXES):
+            yield name, tensor
 
 
 @dataclass
@@ -145,6 +166,20 @@ def _safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise ModelLoadError(f"{directory}: no *.safetensors (or pytorch_model*.bin) weights found")
     for file in bins:
         yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def load_vision_encoder(config: EngineConfig, model_config: ModelConfig) -> nn.Module:
+    """A vision-language model's image encoder (models/vision), with its checkpoint's weights."""
+    from roseinfer.models.vision import VISION_ENCODERS
+
+    vision = model_config.vision
+    encoder = VISION_ENCODERS[vision.family].from_hf_config(vision.hf_config)
+    source = ModelSource.resolve(config.model, config.tokenizer)
+    missing, unexpected = encoder.load_state_dict(source.vision_weights(), strict=False)
+    if missing or unexpected:
+        raise ModelLoadError(f"{source.path}: the image encoder's weights do not match its configuration "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return encoder
 
 
 def load_model_weights(config: EngineConfig, model_config: ModelConfig) -> nn.Module:

@@ -34,11 +34,13 @@ from roseinfer.layers.attention_backends import (
 )
 from roseinfer.layers.recurrent import recurrent_state_spec
 from roseinfer.models.fused_decode import fused_decoder_for
+from roseinfer.models.loader import load_vision_encoder
 from roseinfer.outputs import TokenLogprob
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.step_timings import PhaseClock, StepTimings
 from roseinfer.worker.fault_injection import fault_token_from_env, raise_if_faulty
+from roseinfer.worker.image_embedder import ImageEmbedder, StepImageRows
 from roseinfer.worker.recurrent_state import RecurrentStatePools
 from roseinfer.worker.sampler import Sampler, SamplingBatch
 from roseinfer.worker.spec_decode import verify_drafts
@@ -68,7 +70,7 @@ class CachedRequestState:
 
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling_params", "eos_token_ids", "block_ids",
                  "num_computed_tokens", "generator", "logit_bias", "pooling_params", "pool_sum", "pool_count",
-                 "pool_before_last")
+                 "pool_before_last", "images")
 
     def __init__(self, new: NewRequestData) -> None:
         self.req_id = new.req_id
@@ -83,6 +85,7 @@ class CachedRequestState:
         self.eos_token_ids = new.eos_token_ids
         self.block_ids = list(new.block_ids)
         self.num_computed_tokens = new.num_computed_tokens
+        self.images = new.images  # a vision-language prompt's images (their placeholder runs)
         self.generator: torch.Generator | None = None  # seeded sampling, made on first use
         # (token ids, biases) on the device, built on first use: not again at every step.
         self.logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -104,6 +107,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # rows of the hidden states that are sampled
     sampling: list[CachedRequestState]  # the requests those rows belong to
     pooling: list[PoolingRows]  # the pooling requests' rows of the hidden states
+    image_rows: StepImageRows | None = None  # image placeholders this step computes, and their rows
 
 
 @dataclass
@@ -163,6 +167,11 @@ class ModelRunner:
             if self.attention_backend.runs_fused_decode else None
         )
         self.long_rope_from = model_config.long_rope_from  # LongRoPE models: see prepare_inputs
+        # A vision-language model's encoder, run for the image placeholders a step computes.
+        self.image_embedder = (
+            ImageEmbedder(load_vision_encoder(config, model_config), self.device, self.dtype)
+            if model_config.vision is not None else None
+        )
         self.requests: dict[str, CachedRequestState] = {}
         self.fault_token_id = fault_token_from_env()  # tests only (see fault_injection.py)
 
@@ -190,7 +199,12 @@ class ModelRunner:
                 [g.decode_block_tables for g in groups], meta.decode_context_lens, self.kv_caches, meta.long_rope,
             )
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+            if inputs.image_rows is not None:  # the placeholders' rows from the encoder, the rest looked up
+                embeds = self.model.embed_input_ids(inputs.input_ids)
+                embeds[inputs.image_rows.batch_rows] = inputs.image_rows.embeddings.to(embeds.dtype)
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, inputs_embeds=embeds)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
             pooled = self._pool(hidden, inputs.pooling)  # before lm_head, which pooling rows skip
             if not inputs.sampling:
                 clock.lap("forward")
@@ -260,6 +274,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampling: list[CachedRequestState] = []
         pooling: list[PoolingRows] = []
+        image_parts: list = []
         spec = scheduler_output.scheduled_spec_decode_tokens
 
         for state, num_new in decodes + prefills:
@@ -269,6 +284,8 @@ class ModelRunner:
             first_row = len(ids)
             ids.extend(state.token_ids[start:end])
             ids.extend(drafts)
+            if state.images and start < state.num_prompt_tokens:
+                image_parts += self.image_embedder.chunk_rows(state.images, state.token_ids, start, end, first_row)
             pos = np.arange(start, start + num_new, dtype=np.int64)
             positions.append(pos)
             if self.long_rope_from is not None:  # as layers/rotary.long_rope decides
@@ -320,6 +337,7 @@ class ModelRunner:
             logits_indices=self._tensor(np.asarray(logits_indices, dtype=np.int64)),
             sampling=sampling,
             pooling=pooling,
+            image_rows=ImageEmbedder.gather(image_parts, self.device),
         )
 
     @staticmethod

@@ -1,0 +1,1 @@
+"""Media in prompts: images decoded under the operator's limits (media.py)."""
