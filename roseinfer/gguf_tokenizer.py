@@ -110,7 +110,11 @@ class GGUFVocab:
 
     def special_id(self, key: str) -> int | None:
         value = self.metadata.get(key)
-        return value if isinstance(value, int) and 0 <= value < len(self.tokens) else None
+        if isinstance(value, int) and 0 <= value < len(self.tokens):
+            return value
+        if key == _GGUF_SPECIAL_ID_KEYS["unk"]:  # converters often leave it out; the type says it
+            return next((i for i, kind in enumerate(self.types) if kind == TOKEN_TYPE_UNKNOWN), None)
+        return None
 
 
 @dataclass
@@ -123,11 +127,12 @@ class BuiltTokenizer:
     add_eos: bool = False
     # The tokens as the pipeline spells them (a builder may respell the file's), for the added tokens.
     tokens: list[str] | None = None
-    # BOS/EOS a kind adds in place of the named ones (WordPiece: [CLS] and [SEP]).
-    bos_key: str | None = None
-    eos_key: str | None = None
-    # Whether the file's add_bos_token is overridden (Gemma 4: the template writes <bos> itself).
+    # The token a kind appends in place of EOS (WordPiece: [SEP]) and its own add flag's key.
+    end_key: str | None = None
+    # Flags that override the file's add_bos_token / add_eos_token (Gemma 4: the template writes
+    # <bos> itself; WordPiece: add_sep_token decides about [SEP]).
     forced_add_bos: bool | None = None
+    forced_add_eos: bool | None = None
     # User-defined tokens are added only when the pipeline's vocabulary spells them the same.
     user_defined_in_vocab_only: bool = False
 
@@ -169,11 +174,11 @@ def build_gguf_tokenizer(metadata: dict[str, Any]) -> GGUFTokenizerParts:
     if built.forced_add_bos is not None:
         add_bos = built.forced_add_bos
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", built.add_eos))
-    # Kinds that wrap a text in other tokens than the named BOS/EOS ([CLS] ... [SEP]) name them so.
-    for name, key in (("bos", built.bos_key), ("eos", built.eos_key)):
-        other = vocab.special_id(key) if key else None
-        if other is not None and ids[name] is None:
-            ids[name], named[name] = other, spelled[other]
+    if built.forced_add_eos is not None:
+        add_eos = built.forced_add_eos
+    end = vocab.special_id(built.end_key) if built.end_key else None
+    if end is not None:
+        ids["eos"], named["eos"] = end, spelled[end]
     return GGUFTokenizerParts(
         backend=built.backend, named=named, ids=ids, add_bos=add_bos, add_eos=add_eos,
         chat_template=metadata.get("tokenizer.chat_template"),
@@ -280,7 +285,7 @@ def _sentencepiece_bpe(vocab: GGUFVocab, tokens: list[str], merge_ranks: dict[st
                 )
             merge_ranks = dict(zip(tokens, scores, strict=True))
         merges = _merges_from_scores(table, merge_ranks)
-    unk_id = vocab.special_id("tokenizer.ggml.unknown_token_id")
+    unk_id = vocab.special_id(_GGUF_SPECIAL_ID_KEYS["unk"])
     unk = tokens[unk_id] if unk_id is not None else None
     try:
         bpe = models.BPE(vocab=table, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
@@ -362,7 +367,7 @@ def _unigram(vocab: GGUFVocab) -> BuiltTokenizer:
     blanks = [i for i, token in enumerate(tokens) if _PLACEHOLDER.match(token)]
     for offset, index in enumerate(blanks[:_T5_SENTINELS]):
         tokens[index] = f"<extra_id_{_T5_SENTINELS - 1 - offset}>"
-    unk_id = vocab.special_id("tokenizer.ggml.unknown_token_id")
+    unk_id = vocab.special_id(_GGUF_SPECIAL_ID_KEYS["unk"])
     byte_fallback = TOKEN_TYPE_BYTE in vocab.types
     try:
         unigram = models.Unigram(
@@ -410,7 +415,7 @@ def _wordpiece(vocab: GGUFVocab) -> BuiltTokenizer:
         else:
             piece = "##" + token
         table.setdefault(piece, i)
-    unk_id = vocab.special_id("tokenizer.ggml.unknown_token_id")
+    unk_id = vocab.special_id(_GGUF_SPECIAL_ID_KEYS["unk"])
     unk = vocab.tokens[unk_id] if unk_id is not None else "[UNK]"
     backend = BackendTokenizer(models.WordPiece(table, unk_token=unk, max_input_chars_per_word=100))
     backend.normalizer = normalizers.BertNormalizer(
@@ -418,11 +423,11 @@ def _wordpiece(vocab: GGUFVocab) -> BuiltTokenizer:
     )
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)
-    # [CLS] text [SEP]: llama.cpp names them BOS/SEP; files may leave BOS/EOS unset.
+    # [CLS] text [SEP]: the converter writes [CLS] as BOS and [SEP] as the separator, whose own
+    # flag (add_sep_token) says whether it ends the text, as llama.cpp reads it.
     add_sep = bool(vocab.metadata.get("tokenizer.ggml.add_sep_token", True))
     return BuiltTokenizer(
-        backend, add_bos=True, add_eos=add_sep,
-        bos_key="tokenizer.ggml.cls_token_id", eos_key="tokenizer.ggml.seperator_token_id",
+        backend, add_bos=True, forced_add_eos=add_sep, end_key="tokenizer.ggml.seperator_token_id"
     )
 
 
