@@ -104,10 +104,14 @@ def gemma3(tmp_path_factory) -> dict[str, Path]:
     }))
     config = transformers.Gemma3TextConfig(
         vocab_size=processor.get_piece_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512, sliding_window=12,
-        query_pre_attn_scalar=32, eos_token_id=1, bos_token_id=2, pad_token_id=0,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, sliding_window=12,
+        eos_token_id=1, bos_token_id=2, pad_token_id=0,
+        # Gemma 3's own head size and query scale: a GGUF carries no query scale, and transformers
+        # loading one takes 256 (llama.cpp takes the head size).
+        head_dim=256, query_pre_attn_scalar=256,
     )
     config.initializer_range = 0.1
+    config.tie_word_embeddings = False  # tied, a random model echoes the prompt's last token
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for name, parameter in reference.named_parameters():  # Gemma initialises its norms to 0 (scale 1)
