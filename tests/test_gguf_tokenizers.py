@@ -189,7 +189,7 @@ def test_gemma3_gguf_runs_with_no_tokenizer_flag_as_transformers(gemma3, gemma3_
 def _write_tokenizer_gguf(
     path: Path, arch: str, model: str, tokens: list[str], types: list[int], *, scores: list[float] | None = None,
     merges: list[str] | None = None, ids: dict[str, int] | None = None, flags: dict[str, bool] | None = None,
-    chat_template: str | None = None,
+    chat_template: str | None = None, pre: str | None = None,
 ) -> Path:
     """A metadata-only GGUF holding a tokenizer, under llama.cpp's keys (gguf's own writer)."""
     import gguf
@@ -197,6 +197,8 @@ def _write_tokenizer_gguf(
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(path), arch=arch)
     writer.add_tokenizer_model(model)
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     if scores is not None:
@@ -349,3 +351,30 @@ def test_bert_wordpiece_gguf_matches_bert_tokenizer(tmp_path):
             assert ours.encode(text, add_special_tokens=special) == expected, (text, special)
         ids_ = reference(text).input_ids
         assert ours.decode(ids_) == reference.decode(ids_, skip_special_tokens=True), text
+
+
+# -- byte-level BPE: each family's split (Qwen2, Llama 3, GPT-4o / gpt-oss) -------------------------------
+
+BPE_TEXTS = [
+    *TEXTS, "I'M sure they'll say it's fine, WON'T they?", "12345678 x  2 (x) 2024\n\n\n  end",
+    "ΑΒΓ αβγ Ǆǅǆ camelCaseWord HTTPServer", "a/b/c\r\n\r\nd", "<|im_start|>user\nHi<|im_end|>",
+]
+
+
+# Three of the splits (each ~9 s: a 49k vocabulary written and read by transformers); Qwen3.5's and
+# Tekken's differ from Qwen2's and GPT-4o's in one class each (tests/test_tokenizer.py splits them).
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "gpt-4o"])
+def test_byte_level_pre_tokenizers_match_transformers(smollm_metadata, tmp_path, pre):
+    """A real BPE vocabulary (the default model's) under each family's `tokenizer.ggml.pre`: the ids
+    transformers gives loading the same file, which splits text with the same family regexes."""
+    path = _write_tokenizer_gguf(
+        tmp_path / pre / "bpe.gguf", "qwen2", "gpt2", smollm_metadata["tokenizer.ggml.tokens"],
+        smollm_metadata["tokenizer.ggml.token_type"], merges=smollm_metadata["tokenizer.ggml.merges"],
+        ids={"bos": smollm_metadata["tokenizer.ggml.bos_token_id"], "eos": smollm_metadata["tokenizer.ggml.eos_token_id"]},
+        flags={"add_bos_token": False}, pre=pre,
+    )
+    metadata = GGUFFile(path).metadata
+    assert metadata.get("tokenizer.ggml.pre") == pre
+    ours = Tokenizer.from_gguf_metadata(metadata)
+    hf = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    _assert_same_as_transformers(ours, hf, BPE_TEXTS)
