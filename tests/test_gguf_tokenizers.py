@@ -362,7 +362,7 @@ BPE_TEXTS = [
 
 
 # Three of the splits (each ~9 s: a 49k vocabulary written and read by transformers); Qwen3.5's and
-# Tekken's differ from Qwen2's and GPT-4o's in one class each (tests/test_tokenizer.py splits them).
+# Tekken's differ from Qwen2's and GPT-4o's in one character class each.
 @pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "gpt-4o"])
 def test_byte_level_pre_tokenizers_match_transformers(smollm_metadata, tmp_path, pre):
     """A real BPE vocabulary (the default model's) under each family's `tokenizer.ggml.pre`: the ids
