@@ -15,85 +15,19 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from roseinfer.chat_template import render_chat_template
 from roseinfer.errors import ModelLoadError
+from roseinfer.gguf_tokenizer import BYTE_CHARS, SPECIAL_NAMES, build_gguf_tokenizer
 from roseinfer.special_token_guard import RenderedChat, SpecialTokenGuard
 
 logger = logging.getLogger(__name__)
 
-# GGUF token types (llama.cpp's `llama_token_type`).
-TOKEN_TYPE_NORMAL = 1
-TOKEN_TYPE_UNKNOWN = 2
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
-_ADDED_TYPES = frozenset({TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED})
-
-_SPECIAL_NAMES = ("bos", "eos", "unk", "pad")
-_GGUF_SPECIAL_ID_KEYS = {
-    "bos": "tokenizer.ggml.bos_token_id",
-    "eos": "tokenizer.ggml.eos_token_id",
-    "unk": "tokenizer.ggml.unknown_token_id",
-    "pad": "tokenizer.ggml.padding_token_id",
-}
-
-# Split regexes of the byte-level BPE families, as in each family's own tokenizer.json.
-_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
-_LLAMA3_SPLIT = (
-    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35_SPLIT = (
-    _CONTRACTIONS
-    + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
-_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-_GPT4O_SPLIT = (
-    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
-    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# `tokenizer.ggml.pre` -> how llama.cpp (llama-vocab.cpp) splits text before BPE. "gpt2" is the
-# GPT-2 regex of the ByteLevel pre-tokenizer; "digits" splits every digit off first, then GPT-2.
-_PRE_TOKENIZER_FAMILIES: dict[str, tuple[str, ...]] = {
-    "gpt2": (
-        "default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling",
-        "exaone4", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de", "jina-v1-en", "jina-v2-code",
-        "roberta-bpe", "gigachat", "a.x-4.0", "mellum", "modern-bert",
-    ),
-    "digits": (
-        "smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b", "mellum2",
-    ),
-    "llama3": (
-        "llama3", "llama-bpe", "llama-v3", "smaug-bpe", "falcon3", "falcon-h1", "dbrx", "pixtral",
-        "midm-2.0", "lfm2", "jina-v5-nano", "glm4", "chatglm-bpe",
-    ),
-    "qwen2": (
-        "qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open",
-    ),
-    "qwen35": ("qwen35",),
-    "gpt4o": ("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"),
-    "tekken": ("tekken",),
-}
-_PRE_TO_FAMILY = {pre: family for family, names in _PRE_TOKENIZER_FAMILIES.items() for pre in names}
-_FAMILY_SPLITS = {
-    "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "qwen35": _QWEN35_SPLIT,
-    "gpt4o": _GPT4O_SPLIT, "tekken": _TEKKEN_SPLIT,
-}
-# llama.cpp matches a whole pre-token against the vocabulary before merging for these families
-# (the same as `ignore_merges` in their tokenizer.json), and adds BOS when the file does not say.
-_IGNORE_MERGES_FAMILIES = frozenset({"llama3", "tekken"})
-_ADD_BOS_FAMILIES = frozenset({"llama3", "tekken"})
+_SPECIAL_NAMES = SPECIAL_NAMES
+# llguidance reads byte-level pieces with the same table.
+_BYTE_CHARS = BYTE_CHARS
 
 
 # tokenizers' `encode` holds the GIL for the whole call (about 4 s for a prompt of 900k characters
@@ -153,45 +87,22 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
-        """The tokenizer a GGUF file describes under llama.cpp's `tokenizer.ggml.*` keys."""
-        kind = metadata.get("tokenizer.ggml.model")
-        tokens = metadata.get("tokenizer.ggml.tokens")
-        if not tokens:
-            raise ModelLoadError("the GGUF metadata has no tokenizer (tokenizer.ggml.tokens is missing)")
-        tokens = [str(t) for t in tokens]
-        types = list(metadata.get("tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * len(tokens))
-        if len(types) != len(tokens):
-            raise ModelLoadError(
-                f"GGUF tokenizer: {len(types)} token types for {len(tokens)} tokens"
-            )
-        if kind == "gpt2":
-            backend, default_add_bos = _gguf_byte_level(metadata, tokens, types)
-        elif kind == "llama":
-            backend, default_add_bos = _gguf_sentencepiece(metadata, tokens)
-        else:
-            raise ModelLoadError(
-                f"unsupported GGUF tokenizer: tokenizer.ggml.model = {kind!r} "
-                "(roseinfer supports 'gpt2' byte-level BPE and 'llama' sentencepiece BPE)"
-            )
-
-        ids: dict[str, int | None] = {}
-        for name, key in _GGUF_SPECIAL_ID_KEYS.items():
-            value = metadata.get(key)
-            ids[name] = value if isinstance(value, int) and 0 <= value < len(tokens) else None
-        named = {name: tokens[i] if i is not None else None for name, i in ids.items()}
-        _add_gguf_added_tokens(backend, tokens, types, ids)
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos))
-        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
-        _set_bos_eos_processor(backend, named["bos"], ids["bos"], add_bos, named["eos"], ids["eos"], add_eos)
+        """The tokenizer a GGUF file describes under llama.cpp's `tokenizer.ggml.*` keys
+        (gguf_tokenizer.py builds the pipeline for each `tokenizer.ggml.model`)."""
+        parts = build_gguf_tokenizer(metadata)
+        named, ids = parts.named, parts.ids
+        _set_bos_eos_processor(
+            parts.backend, named["bos"], ids["bos"], parts.add_bos, named["eos"], ids["eos"], parts.add_eos
+        )
         return cls(
-            backend,
-            chat_template=metadata.get("tokenizer.chat_template"),
+            parts.backend,
+            chat_template=parts.chat_template,
             bos_token=named["bos"],
             eos_token=named["eos"],
             unk_token=named["unk"],
             pad_token=named["pad"],
             clean_up_tokenization_spaces=False,
-            vocab_size=len(tokens),
+            vocab_size=len(metadata["tokenizer.ggml.tokens"]),
             bos_token_id=ids["bos"],
             eos_token_id=ids["eos"],
         )
@@ -357,159 +268,7 @@ class Tokenizer:
         )
 
 
-# -- GGUF -----------------------------------------------------------------------------------------
-
-
-def _gpt2_byte_chars() -> list[str]:
-    """GPT-2's printable stand-in for each byte value: printable Latin-1 bytes stand for
-    themselves, the rest (controls, space, ...) are shifted past U+0100 in byte order."""
-    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
-    chars, shifted = [""] * 256, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[byte] = chr(byte)
-        else:
-            chars[byte] = chr(256 + shifted)
-            shifted += 1
-    return chars
-
-
-_BYTE_CHARS = _gpt2_byte_chars()
-_BYTE_ALPHABET = frozenset(_BYTE_CHARS)
-
-
-def _byte_level_spelling(text: str) -> str:
-    return "".join(_BYTE_CHARS[b] for b in text.encode("utf-8"))
-
-
-def _gguf_byte_level(
-    metadata: dict[str, Any], tokens: list[str], types: list[int]
-) -> tuple[BackendTokenizer, bool]:
-    merges = _split_merges(metadata.get("tokenizer.ggml.merges"))
-    pre = str(metadata.get("tokenizer.ggml.pre") or "default")
-    family = _PRE_TO_FAMILY.get(pre)
-    if family is None:
-        logger.warning(
-            "GGUF tokenizer.ggml.pre = %r is not known to roseinfer; splitting text with the GPT-2 "
-            "regex, which may give different token ids than the model was trained with", pre,
-        )
-        family = "gpt2"
-
-    # Normal tokens are stored in the byte-level alphabet; one a converter wrote as raw text is
-    # respelled so BPE can still reach it. Control/user-defined tokens keep their raw text: they
-    # become added tokens, matched in the text as written.
-    vocab = {
-        token if kind in _ADDED_TYPES or set(token) <= _BYTE_ALPHABET else _byte_level_spelling(token): i
-        for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
-    }
-    try:
-        bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=family in _IGNORE_MERGES_FAMILIES)
-    except Exception as exc:
-        raise ModelLoadError(f"the GGUF byte-level BPE vocabulary is inconsistent: {exc}") from exc
-
-    backend = BackendTokenizer(bpe)
-    if family == "gpt2":
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif family == "digits":
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_FAMILY_SPLITS[family]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    backend.decoder = decoders.ByteLevel()
-    return backend, family in _ADD_BOS_FAMILIES
-
-
-def _gguf_sentencepiece(metadata: dict[str, Any], tokens: list[str]) -> tuple[BackendTokenizer, bool]:
-    """llama.cpp's SPM vocabulary as a BPE with byte fallback, like transformers' LlamaTokenizer."""
-    arch = str(metadata.get("general.architecture", ""))
-    if arch.startswith("gemma"):
-        # Gemma files spell whitespace tokens differently and order merges by position, not score.
-        raise ModelLoadError(
-            f"the sentencepiece tokenizer of GGUF architecture {arch!r} is not supported; "
-            "pass --tokenizer with the model's Hugging Face tokenizer directory"
-        )
-    vocab = {token: i for i, token in enumerate(tokens)}
-    if metadata.get("tokenizer.ggml.merges"):
-        merges = _split_merges(metadata["tokenizer.ggml.merges"])
-    else:
-        scores = metadata.get("tokenizer.ggml.scores")
-        if not scores or len(scores) != len(tokens):
-            raise ModelLoadError(
-                "GGUF sentencepiece tokenizer has neither tokenizer.ggml.merges nor one "
-                "tokenizer.ggml.scores entry per token, so its merges cannot be recovered"
-            )
-        merges = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
-    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
-    try:
-        bpe = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
-    except Exception as exc:
-        raise ModelLoadError(f"the GGUF sentencepiece vocabulary is inconsistent: {exc}") from exc
-
-    backend = BackendTokenizer(bpe)
-    # Spaces become "▁"; sentencepiece also puts one in front of the text (add_space_prefix).
-    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
-    )
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if prefix:
-        steps.append(decoders.Strip(content=" ", left=1, right=0))
-    backend.decoder = decoders.Sequence(steps)
-    return backend, True  # llama.cpp adds BOS to SPM vocabularies unless the file says not to
-
-
-def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """BPE merges implied by a sentencepiece vocabulary: every split of a token into two tokens,
-    best score first, ties broken the way transformers does it so that the ids agree."""
-    candidates = []  # (score of the merged token, left, right), in vocabulary order
-    for token, score in scores.items():
-        pairs = [
-            (token[:i], token[i:]) for i in range(1, len(token))
-            if token[:i] in vocab and token[i:] in vocab
-        ]
-        pairs.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
-        candidates.extend((score, left, right) for left, right in pairs)
-    # sorted() is stable: equal keys keep vocabulary order.
-    candidates.sort(key=lambda c: (-c[0], -len(c[1]), -len(c[2])))
-    return [(left, right) for _, left, right in candidates]
-
-
-def _split_merges(merges: Any) -> list[tuple[str, str]]:
-    pairs = []
-    for merge in merges or ():
-        left, sep, right = str(merge).partition(" ")
-        if not sep:
-            raise ModelLoadError(f"GGUF tokenizer.ggml.merges has a malformed entry: {merge!r}")
-        pairs.append((left, right))
-    return pairs
-
-
-def _add_gguf_added_tokens(
-    backend: BackendTokenizer, tokens: list[str], types: list[int], named_ids: dict[str, int | None]
-) -> None:
-    """Control tokens (and the named BOS/EOS/UNK/PAD if not normal text) become special added tokens,
-    user-defined ones plain added tokens: either way they are matched whole in the text."""
-    named = {i for i in named_ids.values() if i is not None}
-    special = [
-        AddedToken(token, normalized=False, special=True)
-        for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
-        if kind == TOKEN_TYPE_CONTROL or (i in named and kind != TOKEN_TYPE_NORMAL)
-    ]
-    user = [
-        AddedToken(token, normalized=False, special=False)
-        for token, kind in zip(tokens, types, strict=True)
-        if kind == TOKEN_TYPE_USER_DEFINED
-    ]
-    if special:
-        backend.add_special_tokens(special)
-    if user:
-        backend.add_tokens(user)
+# -- shared ----------------------------------------------------------------------------------------
 
 
 def _set_bos_eos_processor(

@@ -142,8 +142,9 @@ def test_logits_and_greedy_tokens_match_transformers(models, kind, source):
     reference = _reference(models[kind])
     prompts = _prompts(reference.config.vocab_size)
     model = str(models[f"{kind}.gguf"] if source == "gguf" else models[kind])
-    # Gemma's sentencepiece vocabulary in GGUF files is refused by name (tokenizer.py): such files
-    # take the Hugging Face tokenizer directory. (The gemma3 file here has the BPE of the directory.)
+    # The gemma2 file's own sentencepiece vocabulary (400 pieces, trained for the converter) is
+    # smaller than the model's: its outputs are decoded with the directory's tokenizer. (The gemma3
+    # file has the BPE of the directory.)
     extra = {"tokenizer": str(models[kind])} if source == "gguf" and kind == "gemma2" else {}
     # A small token budget: the 40-token prompt is prefilled in chunks past the window.
     llm = LLM(model, num_kv_blocks=64, max_num_batched_tokens=16, quantization="none", **extra)
@@ -177,7 +178,7 @@ def test_fused_decode_step_equals_the_op_by_op_forward(models, kind, weights):
     if weights in ("float32", "bfloat16") and weights not in panel_dtypes():
         pytest.skip(f"this CPU's build has no {weights} panel kernel: no fused decode step for float weights")
     if weights.endswith(".gguf"):
-        # Gemma 2's sentencepiece vocabulary in GGUF is refused by name: the directory's tokenizer
+        # The gemma2 file's own vocabulary is smaller than the model's: the directory's tokenizer
         options = {"tokenizer": str(models[kind])} if kind == "gemma2" else {}
         llm = LLM(str(models[f"{kind}.{weights}"]), num_kv_blocks=128, num_kv_blocks_sliding=96, **options)
     elif weights in ("float32", "bfloat16"):
