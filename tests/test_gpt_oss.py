@@ -30,7 +30,7 @@ def tiny_gpt_oss_config(vocab: int):
     return transformers.GptOssConfig(
         vocab_size=vocab, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-        max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=0,
+        max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=0,
         bos_token_id=0, initializer_range=0.1,
         # YaRN with a ramp inside the head's frequencies (the real model's: factor 32 over 4096).
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
@@ -63,7 +63,7 @@ def reference_greedy(reference, prompt: list[int]) -> list[int]:
     """transformers' greedy continuation, end-of-text included like any other token."""
     ids = torch.tensor([prompt])
     for _ in range(TOKENS):
-        ids = torch.cat([ids, reference(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        ids = torch.cat([ids, reference(ids).logits[:, -1].argmax(-1, keepdim=True).cpu()], dim=1)
     return ids[0, len(prompt):].tolist()
 
 
@@ -131,7 +131,7 @@ def requantize_experts(source: Path, target: Path) -> dict[str, np.ndarray]:
         if tensor.name.endswith("_exps.weight"):
             blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.MXFP4)
             expanded[tensor.name] = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.MXFP4)
-            writer.add_tensor(tensor.name, blocks, raw_shape=values.shape, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            writer.add_tensor(tensor.name, blocks, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
         else:
             writer.add_tensor(tensor.name, values)
     writer.write_header_to_file()
