@@ -164,3 +164,60 @@ def test_mxfp4_experts_match_transformers_on_the_same_values(tiny, tmp_path, qua
     expected = reference_greedy(reference, tiny.prompts[3])
     llm = LLM(str(path), num_kv_blocks=64, quantization=quantization)
     assert _greedy(llm, tiny.prompts[3:]) == [expected]
+
+
+def write_mxfp4_checkpoint(tiny: TinyGptOss, directory: Path) -> dict[str, torch.Tensor]:
+    """The tiny model as the released gpt-oss checkpoints are stored: every expert matrix as MXFP4
+    `*_blocks` / `*_scales` (quantized by gguf's own MXFP4 quantizer, its bytes laid out as the
+    checkpoints do: two values a byte, in order) and `quantization_config` mxfp4. Returns the
+    dense values transformers' own MXFP4 expansion gives them ([experts, in, out], as its params)."""
+    import json
+    import shutil
+
+    import gguf
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    shutil.copytree(tiny.hf_dir, directory)
+    state = {name: tensor.contiguous() for name, tensor in tiny.reference.state_dict().items()}
+    expanded = {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = state.pop(name).transpose(1, 2).contiguous()  # [experts, out, in]
+        packed = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.MXFP4)  # [E, out, G * 17]
+        packed = torch.from_numpy(packed).reshape(*weight.shape[:2], -1, 17)
+        scales, codes = packed[..., 0], packed[..., 1:]
+        # GGUF's block: value j in byte j's low nibble, value j + 16 in its high one.
+        values = torch.cat([codes & 0x0F, codes >> 4], dim=-1)
+        blocks = (values[..., 0::2] | (values[..., 1::2] << 4)).to(torch.uint8)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks.contiguous(), scales.contiguous()
+        expanded[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(state, directory / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    (directory / "config.json").write_text(json.dumps(config))
+    return expanded
+
+
+def test_released_mxfp4_layout_from_hf_and_through_the_converter(tiny, tmp_path):
+    """A checkpoint stored as the released ones (MXFP4 experts): from its directory, and from the
+    GGUF llama.cpp's converter makes of it (its experts repacked to GGUF MXFP4 blocks), the tokens
+    equal transformers' on the values its own MXFP4 expansion gives."""
+    import copy
+
+    import gguf
+
+    expanded = write_mxfp4_checkpoint(tiny, tmp_path / "mxfp4")
+    reference = copy.deepcopy(tiny.reference)
+    with torch.no_grad():
+        for name, values in expanded.items():
+            reference.get_parameter(name).copy_(values)
+    expected = reference_greedy(reference, tiny.prompts[3])
+    assert not torch.equal(reference.model.layers[0].mlp.experts.down_proj,
+                           tiny.reference.model.layers[0].mlp.experts.down_proj)  # rounded to MXFP4
+    path = convert_hf_to_gguf(tmp_path / "mxfp4", tmp_path / "mxfp4.gguf", "f32")
+    reader = gguf.GGUFReader(path)
+    assert {t.tensor_type for t in reader.tensors if t.name.endswith("_exps.weight")} == {
+        gguf.GGMLQuantizationType.MXFP4}
+    for source in (tmp_path / "mxfp4", path):
+        llm = LLM(str(source), num_kv_blocks=64, **EXACT)
+        assert _greedy(llm, tiny.prompts[3:]) == [expected], source

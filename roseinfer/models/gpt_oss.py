@@ -17,7 +17,8 @@ Checkpoints: transformers 5 keeps each layer's experts stacked, `mlp.experts.gat
 `down_proj` [experts, width, hidden], as x @ W; llama.cpp's converter splits them into
 `ffn_{gate,up,down}_exps` (+ `.bias`) in nn.Linear's orientation, MXFP4 where the checkpoint's were.
 Both become one `nn.Linear` pair per expert here (gate rows then up rows), so each runs in its own
-weight format as moe.py's experts do.
+weight format as moe.py's experts do. The released safetensors keep the experts as MXFP4
+`*_blocks` and `*_scales`: expanded to float32 at load (`expand_mxfp4`).
 
 Tensor parallelism is not supported for this family yet (the sinks and o bias would need cutting).
 """
@@ -102,16 +103,38 @@ class GptOssMoeBlock(SparseMoeBlock):
         raise NotImplementedError("gpt-oss's experts do not run in the fused decode step")
 
 
+# MXFP4's 4-bit values (e2m1): the low nibble of a byte is the first of its two values.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def expand_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's MXFP4 experts (`*_blocks` uint8 [experts, rows, groups, 16], two values a
+    byte, and `*_scales` uint8 [experts, rows, groups], a power of two biased by 127 per 32 values)
+    as float32 [experts, rows, groups x 32] (rows: the projection's outputs)."""
+    table = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], dim=-1).flatten(-2)
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2)
+
+
 def _expert_names(weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
     """Hugging Face names as this model holds them: the router as `mlp.gate`, the sinks inside the
-    attention layer, and transformers' stacked experts as one gate/up/down (weight, bias) each."""
+    attention layer, and transformers' stacked experts (dense, or MXFP4 blocks and scales as the
+    released checkpoints keep them) as one gate/up/down (weight, bias) each."""
+    pending: dict[str, torch.Tensor] = {}  # an MXFP4 tensor's blocks or scales, until the other comes
     for name, tensor in weights:
         name = name.replace(".mlp.router.", ".mlp.gate.").replace(".self_attn.sinks", ".self_attn.attn.sinks")
         name = name.removesuffix(".sinks.weight") + ".sinks" if name.endswith(".sinks.weight") else name
         prefix, found, leaf = name.rpartition(".mlp.experts.")
         if found and leaf.endswith(("_blocks", "_scales")):
-            raise ModelLoadError(f"tensor {name!r}: MXFP4 safetensors are not supported yet; convert the model "
-                                 "to GGUF (llama.cpp's convert_hf_to_gguf.py keeps the experts in MXFP4)")
+            stem, _, part = name.rpartition("_")
+            other = pending.pop(f"{stem}_{'scales' if part == 'blocks' else 'blocks'}", None)
+            if other is None:
+                pending[name] = tensor
+                continue
+            blocks, scales = (tensor, other) if part == "blocks" else (other, tensor)
+            name, leaf = stem, stem.rpartition(".")[2]
+            tensor = expand_mxfp4(blocks, scales).transpose(1, 2)  # as the dense checkpoints hold it: x @ W
         if found and leaf in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
             base = f"{prefix}.mlp.experts"
             for expert, values in enumerate(tensor):
@@ -126,6 +149,8 @@ def _expert_names(weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, 
                     yield f"{base}.{expert}.up_proj.{kind}", values[1::2]
             continue
         yield name, tensor
+    if pending:
+        raise ModelLoadError(f"MXFP4 tensor(s) without their blocks or scales: {', '.join(sorted(pending))}")
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
