@@ -29,6 +29,8 @@ def _parse(text: str) -> HarmonyParse:
 
 class HarmonyToolParser(ToolParser):
     name = "harmony"
+    # A chat template that writes harmony tool calls (tool_parsers/detect.py).
+    template_markers = (("<|channel|>", "<|call|>"), ("<|channel|>", "to=functions"))
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         parsed = _parse(text)
