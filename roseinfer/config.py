@@ -62,6 +62,10 @@ class MoeConfig:
     norm_topk_prob: bool
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert behind a sigmoid gate
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (ModelConfig.intermediate_size)
+    # gpt-oss's clamped SwiGLU (models/gpt_oss.py): gate clamped above, up on both sides at this
+    # limit, then (up + 1) * gate * sigmoid(alpha * gate); None: plain SwiGLU.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
 
 @dataclass
@@ -126,6 +130,8 @@ class ModelConfig:
     # so that a family's oddities do not become fields here.
     family_options: dict[str, Any] = field(default_factory=dict)
     qk_norm_full: bool = False  # OLMoE: one RMSNorm over all heads of q (and of k), not per head
+    # gpt-oss: a learned logit per query head added to each softmax's denominator (attention sinks).
+    attention_sinks: bool = False
     # The dtype a Hugging Face checkpoint's weights are stored in ("bfloat16", "float32", ...), which
     # --dtype auto follows on the CPU where it runs fast; None for GGUF files (float32 activations).
     checkpoint_dtype: str | None = None

@@ -95,6 +95,35 @@ def test_kernel_window_and_softcap_match_the_pytorch_path(kernel, window, softca
     assert (plain.float() - expected).abs().max() > 10 * tolerance  # the parameters changed the result
 
 
+@pytest.mark.parametrize("window", [None, 7])
+def test_sinks_in_both_backends_match_transformers(kernel, window):
+    """gpt-oss's attention sinks (a logit per head in each softmax's denominator) as a layer
+    parameter: both backends' decode rows against transformers' own gpt-oss attention over each
+    row's keys (the "cpp" backend hands layers with sinks to the PyTorch decode)."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    heads, kv_heads, dim = 8, 2, 64
+    lengths = [1, 7, 15, 17, 40]
+    q, kv_cache, tables, lens = random_step(heads, kv_heads, dim, lengths, torch.float32)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(3)) * 2
+    layer = AttentionLayerParams(heads, kv_heads, dim, dim**-0.5, sliding_window=window, sinks=sinks)
+    out, plain = decode_both_ways(q, kv_cache, tables, lens, layer)
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=heads // kv_heads, training=False)
+    for row, length in enumerate(lengths):
+        keys, values = (kv_cache[i][tables[row]].reshape(-1, kv_heads, dim)[:length] for i in (0, 1))
+        visible = torch.arange(length) > length - 1 - window if window else torch.ones(length, dtype=torch.bool)
+        mask = torch.zeros(1, 1, 1, length).masked_fill(~visible, float("-inf"))
+        expected, _ = eager_attention_forward(module, q[row][None, :, None], keys.transpose(0, 1)[None],
+                                              values.transpose(0, 1)[None], mask, dim**-0.5)
+        assert (out[row] - expected[0, 0]).abs().max() < 1e-5
+        assert (plain[row] - expected[0, 0]).abs().max() < 1e-5
+    no_sinks, _ = decode_both_ways(q, kv_cache, tables, lens, AttentionLayerParams(heads, kv_heads, dim, dim**-0.5,
+                                                                                   sliding_window=window))
+    assert (no_sinks - out).abs().max() > 1e-3  # the sinks changed the result
+
+
 @pytest.mark.parametrize("lengths", [[100], [17, 33], [1, 40, 15]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fewer_sequences_than_threads_split_their_kv_heads(kernel, lengths, dtype):

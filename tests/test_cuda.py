@@ -194,3 +194,31 @@ def test_openai_client_chat_and_stream(cuda_server):
     assert streamed == choice.message.content  # greedy: the same tokens, streamed
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert " on cuda" in cuda_server.output()  # the engine's "loaded ... on cuda/bfloat16" line
+
+
+# -- gpt-oss's layers (models/gpt_oss.py) in PyTorch on the GPU: attention sinks, alternating
+# sliding windows, the biased router and clamped-SwiGLU experts, YaRN -------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss(tmp_path_factory: pytest.TempPathFactory):
+    from test_gpt_oss import TinyGptOss
+
+    return TinyGptOss(tmp_path_factory.mktemp("cuda-gpt-oss"))
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_gpt_oss_float32_matches_transformers(tiny_gpt_oss, source):
+    """Teacher-forced logits within float32 tolerance of transformers' (on the GPU) and greedy tokens
+    equal, prompts longer than the window, from the HF directory and the converter's GGUF."""
+    from test_gpt_oss import reference_greedy
+
+    path = tiny_gpt_oss.hf_dir if source == "hf" else tiny_gpt_oss.gguf
+    reference = copy.deepcopy(tiny_gpt_oss.reference).to(CUDA)
+    llm = LLM(str(path), **EXACT)
+    worst = compare_logits_step_by_step(llm.engine, on_gpu(reference), tiny_gpt_oss.prompts, 3)
+    assert worst < 1e-3, worst
+    expected = [reference_greedy(on_gpu(reference), prompt) for prompt in tiny_gpt_oss.prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=len(expected[0]), ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=tiny_gpt_oss.prompts, sampling_params=params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected

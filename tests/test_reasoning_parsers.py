@@ -111,6 +111,6 @@ def test_where_the_output_starts_comes_from_the_end_of_the_prompt(prompt, qwen3,
 
 
 def test_the_registry_names_vllms_parsers_and_rejects_others_by_name():
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "qwen3"]
-    with pytest.raises(ValueError, match=r"unknown reasoning parser 'qwq'.*deepseek_r1, qwen3"):
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "harmony", "qwen3"]
+    with pytest.raises(ValueError, match=r"reasoning_parser must be one of deepseek_r1, harmony, qwen3, got 'qwq'"):
         get_reasoning_parser("qwq")

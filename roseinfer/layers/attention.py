@@ -12,13 +12,14 @@ shared by every layer and naming the backend; a model's `PagedAttention` layer o
 
 A layer may have a sliding window (its queries see only the keys of the last `window` positions,
 theirs included: Mistral, Qwen2 with use_sliding_window, Gemma's local layers) and a soft-cap of
-its scores (cap * tanh(score / cap) before the softmax: Gemma 2); both are parameters of the
-layer, applied by every backend.
+its scores (cap * tanh(score / cap) before the softmax: Gemma 2), and attention sinks (gpt-oss:
+a learned logit per query head that joins each softmax's denominator and takes no value, so a
+head can attend to "nothing"); all are parameters of the layer, applied by every backend.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +39,8 @@ class AttentionLayerParams:
     scale: float  # of q·k, before the soft-cap
     sliding_window: int | None = None  # keys at positions > query position - window; None: all
     softcap: float | None = None  # scores -> cap * tanh(score / cap); None: none
+    # [num_heads] float32: each query head's sink logit (compared with scaled scores); None: none.
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def group(self) -> int:
@@ -108,16 +111,25 @@ def causal_mask_with_prefix(
     return mask
 
 
-def softcapped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
+def explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SDPA's math with the scores soft-capped before the mask and softmax (SDPA has no soft-cap);
-    q [..., heads, queries, dim], k/v [..., heads, keys, dim] (heads already matched), mask boolean."""
+    """SDPA's math written out, for what SDPA has not: scores soft-capped before the mask and
+    softmax, and a sink logit per query row joining the softmax's denominator (dropped after it).
+    q [..., heads, queries, dim], k/v [..., heads, keys, dim] (heads already matched), mask
+    boolean; `sinks` broadcastable to [..., heads, queries, 1]."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
+    scores = scores.float()
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    column = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def kv_rows(x: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
@@ -158,13 +170,21 @@ class PagedAttention(nn.Module):
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-        sliding_window: int | None = None, softcap: float | None = None,
+        sliding_window: int | None = None, softcap: float | None = None, sinks: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} heads cannot share {num_kv_heads} KV heads evenly")
         self.params = AttentionLayerParams(num_heads, num_kv_heads, head_dim, scale, sliding_window or None,
                                            softcap or None)
+        # This rank's heads' sink logits (a weight of the checkpoint), handed to the backends with
+        # the other parameters once loaded (`bind_sinks`).
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
+
+    def bind_sinks(self) -> None:
+        """Hand the loaded sink logits to the parameters every backend reads."""
+        if self.sinks is not None:
+            self.params = replace(self.params, sinks=self.sinks.detach().float())
 
     def forward(
         self,

@@ -7,11 +7,13 @@ A backend has two jobs, as in vLLM v1 (metadata builder + attention implementati
   scheduled batch (slot of each new token, decode rows' block tables and context lengths, prefill
   chunks), once per step and shared by every layer;
 - `forward(q, k, v, kv_cache, meta, layer)`: store the new keys and values, then attend, with the
-  layer's `AttentionLayerParams` (scale, sliding window, soft-cap).
+  layer's `AttentionLayerParams` (scale, sliding window, soft-cap, sinks).
 
 Backends: "cpp" (the compiled CPU decode kernel, layers/csrc/paged_attention_cpu.cpp, and the C++
 KV write; prefill chunks through SDPA) and "torch" (plain PyTorch: gathered blocks + SDPA with a
-length mask, on any device). A CUDA backend is one more class and registry entry.
+length mask, on any device). What SDPA lacks (soft-cap, sinks) runs as the same math written out
+(`explicit_attention`); the C++ kernel has no sinks, so "cpp" hands layers with sinks (gpt-oss) to
+the PyTorch decode. A CUDA backend is one more class and registry entry.
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ from roseinfer.layers.attention import (
     AttentionMetadata,
     PrefillChunk,
     causal_mask_with_prefix,
+    explicit_attention,
     gather_blocks,
     kv_rows,
     kv_values,
-    softcapped_attention,
 )
 from roseinfer.layers.cpu_kernels import cpu_kernels
 
@@ -149,10 +151,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode_metadata(self, meta: AttentionMetadata, batch: AttentionBatch) -> None:
         """SDPA over the padded blocks: a mask of each row's real keys."""
-        tables, lengths = batch.decode_block_tables, batch.decode_context_lens
-        key_positions = np.arange(tables.shape[1] * self.block_size)
-        mask = key_positions[None, :] < lengths[:, None]
-        meta.decode_mask = self._tensor(mask[:, None, None, :])
+        meta.decode_mask = self._length_mask(meta)
+
+    def _length_mask(self, meta: AttentionMetadata) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_blocks * block_size]: which padded key slots each row reads."""
+        keys = torch.arange(meta.decode_block_tables.shape[1] * self.block_size, device=self.device)
+        return (keys[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
 
     def write_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         slots = kv_cache.view(2, -1, *kv_cache.shape[-2:])
@@ -171,9 +175,10 @@ class TorchAttentionBackend(AttentionBackend):
         # so grouped-query attention needs no copies of K and V.
         grouped = q.view(batch, kv_heads, layer.group, head_dim)
         mask = meta.decode_mask_for(layer.sliding_window)
-        if layer.softcap:
-            out = softcapped_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2), mask, layer.scale,
-                                       layer.softcap)
+        if layer.softcap or layer.sinks is not None:
+            sinks = layer.sinks.view(kv_heads, layer.group, 1) if layer.sinks is not None else None
+            out = explicit_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2), mask, layer.scale,
+                                     layer.softcap, sinks)
         else:
             out = F.scaled_dot_product_attention(
                 grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=layer.scale,
@@ -202,13 +207,15 @@ class TorchAttentionBackend(AttentionBackend):
             keys = kv_values(gather_blocks(kv_cache[0], chunk.block_ids)[:context], layer.head_dim, q.dtype)
             values = kv_values(gather_blocks(kv_cache[1], chunk.block_ids)[:context], layer.head_dim, q.dtype)
             mask, causal = chunk.mask, False
-        if window or (layer.softcap and causal):
+        explicit = bool(layer.softcap) or layer.sinks is not None
+        if window or (explicit and causal):
             mask, causal = causal_mask_with_prefix(chunk.num_cached, chunk.query_len, q.device, window), False
-        if layer.softcap:
+        if explicit:
             group = layer.group
-            out = softcapped_attention(
+            sinks = layer.sinks.view(layer.num_heads, 1, 1) if layer.sinks is not None else None
+            out = explicit_attention(
                 q.transpose(0, 1), keys.transpose(0, 1).repeat_interleave(group, 0),
-                values.transpose(0, 1).repeat_interleave(group, 0), mask, layer.scale, layer.softcap,
+                values.transpose(0, 1).repeat_interleave(group, 0), mask, layer.scale, layer.softcap, sinks,
             )
             return out.transpose(0, 1)
         out = F.scaled_dot_product_attention(
@@ -257,6 +264,10 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
     def decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, layer: AttentionLayerParams
     ) -> torch.Tensor:
+        if layer.sinks is not None:  # the kernel has no sinks: PyTorch's decode, over a length mask
+            if meta.decode_mask is None:
+                meta.decode_mask = self._length_mask(meta)
+            return super().decode(q, kv_cache, meta, layer)
         return self._decode_kernel(
             q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_context_lens, layer.scale,
             layer.sliding_window or 0, layer.softcap or 0.0,

@@ -57,10 +57,12 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
 
 
 def _expert_slices(
-    tensor: torch.Tensor | BlockTensor, shape: tuple[int, ...], layer: str, projections: tuple[str, ...]
+    tensor: torch.Tensor | BlockTensor, shape: tuple[int, ...], layer: str, projections: tuple[str, ...],
+    suffix: str = "weight",
 ) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
-    """A 3-D [experts, rows, columns] expert tensor as one tensor per expert (and projection, for a
-    fused gate/up), under Hugging Face names: views of the same bytes, blocks kept as they are."""
+    """A 3-D [experts, rows, columns] expert tensor (or a 2-D [experts, rows] bias: gpt-oss) as one
+    tensor per expert (and projection, for a fused gate/up), under Hugging Face names: views of the
+    same bytes, blocks kept as they are."""
     num_experts, rows = shape[0], shape[1]
     part_rows = rows // len(projections)
     for expert in range(num_experts):
@@ -70,7 +72,9 @@ def _expert_slices(
                 part = tensor.narrow(0, start, part_rows)
             else:
                 part = tensor.reshape(num_experts * rows, -1)[start:start + part_rows]
-            yield f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight", part
+                if len(shape) == 2:  # a bias
+                    part = part.reshape(part_rows)
+            yield f"model.layers.{layer}.mlp.experts.{expert}.{projection}.{suffix}", part
 
 
 def gguf_weights(
@@ -91,7 +95,7 @@ def gguf_weights(
         parts = stem.split(".")
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in expert_tensors:
             tensor = gguf.load_tensor(name) if expand else gguf.tensor(name)
-            yield from _expert_slices(tensor, gguf.tensor_shape(name), parts[1], expert_tensors[parts[2]])
+            yield from _expert_slices(tensor, gguf.tensor_shape(name), parts[1], expert_tensors[parts[2]], suffix)
             continue
         module = ".".join(parts[2:])  # a layer's tensor: attn_q, or shortconv.in_proj (LFM2)
         if parts[0] == "blk" and len(parts) >= 3 and module in per_layer:

@@ -16,6 +16,7 @@ from roseinfer.layers.parallel import VocabParallelEmbedding
 from roseinfer.layers.rotary import RotaryEmbedding
 from roseinfer.models.gemma import GemmaForCausalLM
 from roseinfer.models.gpt2 import GPT2LMHeadModel
+from roseinfer.models.gpt_oss import GptOssForCausalLM
 from roseinfer.models.granite_hybrid import GraniteHybridForCausalLM
 from roseinfer.models.lfm2 import Lfm2ForCausalLM
 from roseinfer.models.llama import LlamaForCausalLM
@@ -35,6 +36,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "lfm2": Lfm2ForCausalLM,
     "granite_hybrid": GraniteHybridForCausalLM,  # Granite 4
     "nemotron_h": NemotronHForCausalLM,  # dense Nemotron-H (Mamba2, attention and MLP blocks)
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

@@ -24,10 +24,11 @@ from roseinfer.reasoning.base import (
     ReasoningStream,
 )
 from roseinfer.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from roseinfer.reasoning.harmony import HarmonyReasoningParser
 from roseinfer.reasoning.qwen3 import Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    parser.name: parser for parser in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser)
+    parser.name: parser for parser in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser, HarmonyReasoningParser)
 }
 
 
@@ -44,6 +45,7 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
 __all__ = [
     "REASONING_PARSERS",
     "DeepSeekR1ReasoningParser",
+    "HarmonyReasoningParser",
     "Phase",
     "Qwen3ReasoningParser",
     "ReasoningDelta",

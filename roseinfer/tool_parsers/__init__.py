@@ -24,6 +24,7 @@ from roseinfer.tool_parsers.constrained import (
     required_tool_calls_schema,
 )
 from roseinfer.tool_parsers.detect import KNOWN_WITHOUT_PARSER, detect_tool_format
+from roseinfer.tool_parsers.harmony import HarmonyToolParser
 from roseinfer.tool_parsers.hermes import HermesToolParser
 from roseinfer.tool_parsers.llama3_json import Llama3JsonToolParser
 from roseinfer.tool_parsers.mistral import MistralToolParser
@@ -33,7 +34,8 @@ from roseinfer.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 # and leaves detect.KNOWN_WITHOUT_PARSER).
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser
-    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, Qwen3CoderToolParser)
+    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, Qwen3CoderToolParser,
+                   HarmonyToolParser)
 }
 
 
@@ -66,6 +68,7 @@ __all__ = [
     "ContentDelta",
     "Delta",
     "ExtractedToolCalls",
+    "HarmonyToolParser",
     "HermesToolParser",
     "Llama3JsonToolParser",
     "MistralToolParser",

@@ -14,7 +14,6 @@ from roseinfer.tool_parsers.base import ToolParser
 # Formats recognised without a parser here (name -> marker groups). A parser registered under the
 # same name (gpt-oss's harmony, say) takes the entry over.
 KNOWN_WITHOUT_PARSER: dict[str, tuple[tuple[str, ...], ...]] = {
-    "harmony": (("<|channel|>", "<|call|>"), ("<|channel|>", "to=functions")),
     "glm45": (("<tool_call>", "<arg_key>"),),
     "deepseek_v3": (("tool▁calls▁begin",),),
     "kimi_k2": (("<|tool_calls_section_begin|>",),),
