@@ -34,7 +34,6 @@ from roseinfer.errors import InvalidRequestError
 from roseinfer.heap import trim_heap
 from roseinfer.layers.quantization.dense import PanelLinear, PrepackedLinear, float_linear
 from roseinfer.layers.quantization.gguf import (
-    BLOCK_TYPES,
     BlockLinear,
     BlockTensor,
     PackedBlocks,
@@ -97,8 +96,7 @@ class LinearLayerKernels:
         with torch.no_grad():
             if parts:
                 blocks = [tensor for _, tensor in sorted(parts, key=lambda part: part[0])]
-                # A type no kernel runs (MXFP4, until one does) is expanded as under "none".
-                if self.keeps_file_blocks and all(block.qtype in BLOCK_TYPES for block in blocks):
+                if self.keeps_file_blocks:
                     setattr(parent, name, BlockLinear(pack_parts(blocks), child.bias, exact=False))
                     return True
                 # Expanded to the model's dtype, then served as a dense weight (or quantized again).

@@ -25,11 +25,9 @@ from roseinfer.layers.quantization.gguf import (
 )
 from roseinfer.models.gguf_header import GGUFHeader, TensorInfo
 
-# Types roseinfer runs (dense ones as torch tensors, block ones in their own kernels, and
-# EXPANDED_TYPES expanded to floats at load by gguf's own dequantize: gpt-oss's MXFP4 experts, until
-# a kernel runs them); anything else is a clear error naming the tensor.
-EXPANDED_TYPES = frozenset((GGMLQuantizationType.MXFP4,))
-SUPPORTED_TENSOR_TYPES = frozenset((*DENSE_TYPES, *BLOCK_TYPES, *EXPANDED_TYPES))
+# Types roseinfer runs (dense ones as torch tensors, block ones in their own kernels, MXFP4
+# included); anything else is a clear error naming the tensor.
+SUPPORTED_TENSOR_TYPES = frozenset((*DENSE_TYPES, *BLOCK_TYPES))
 
 
 class GGUFFile:
