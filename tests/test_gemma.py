@@ -25,7 +25,7 @@ from test_fused_decode import decode_logits_both_ways, panel_dtypes, quantizes_a
 
 from roseinfer import LLM
 from roseinfer.common.kv_cache_spec import sliding_blocks_per_sequence
-from roseinfer.core.kv_cache_manager import RELEASED
+from roseinfer.core.kv_cache import RELEASED
 from roseinfer.core.kv_pool_plan import plan_engine
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.tokenizer import Tokenizer
@@ -321,7 +321,7 @@ def test_a_windowed_model_runs_sequences_longer_than_its_pool(models, backend):
     llm = LLM(str(models["mistral"]), block_size=4, num_kv_blocks=8, max_num_batched_tokens=8, max_num_seqs=3,
               attention_backend=backend, quantization="none")
     engine = llm.engine
-    assert engine.kv_cache.attention_span == WINDOW
+    assert [group.attention_span for group in engine.kv_cache.groups] == [WINDOW]
     assert engine.config.max_model_len == 512, "the pool bounds a windowed sequence's span, not its length"
     assert _greedy(llm, prompts) == _greedy_reference(reference, prompts)
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks

@@ -34,7 +34,7 @@ def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY
 def assert_all_blocks_free(llm: LLM) -> None:
     kv = llm.engine.kv_cache
     kv.check_invariants()
-    assert not kv.block_tables and kv.num_free_blocks == kv.num_blocks
+    assert not any(group.block_tables for group in kv.groups) and kv.num_free_blocks == kv.num_blocks
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from roseinfer.common.kv_cache_spec import kv_group_windows, layer_kv_groups
+from roseinfer.common.kv_cache_spec import group_pool_sizes, layer_groups, model_kv_cache_groups
 from roseinfer.common.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from roseinfer.config import EngineConfig, ModelConfig
 from roseinfer.distributed.parallel_state import get_tp_group
@@ -41,9 +41,9 @@ from roseinfer.sampling_params import SamplingParams
 from roseinfer.step_timings import PhaseClock, StepTimings
 from roseinfer.worker.fault_injection import fault_token_from_env, raise_if_faulty
 from roseinfer.worker.image_embedder import ImageEmbedder, StepImageRows
-from roseinfer.worker.recurrent_state import RecurrentStatePools
 from roseinfer.worker.sampler import Sampler, SamplingBatch
 from roseinfer.worker.spec_decode import verify_drafts
+from roseinfer.worker.state_pools import StatePools
 
 
 def zeroed_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -136,27 +136,31 @@ class ModelRunner:
         self.timings = timings or StepTimings()
         # One pool per layer: [2 (K, V), blocks, block_size, kv_heads, head_dim], with only this
         # rank's KV heads under tensor parallelism. With several KV cache groups (Gemma's full and
-        # sliding layers, common/kv_cache_spec.py) a layer's pool has its group's blocks, and each
+        # sliding layers, common/kv_cache_spec.py) a layer's pool has its group's blocks; a
+        # recurrent layer's "pool" is its state tensors, a slot per sequence (state_pools.py). Each
         # request has a block table per group.
         tp = get_tp_group()
         kv_heads = partition(model_config.num_kv_heads, tp.size, tp.rank)[1]
         row = model_config.kv_row_elements(config.kv_cache_torch_dtype)  # head_dim, or q8_0's codes and scales
-        self.group_windows = kv_group_windows(model_config.layer_windows)
-        self.layer_groups = layer_kv_groups(model_config.layer_windows)
-        self.group_num_blocks = [config.num_kv_blocks if window is None or len(self.group_windows) == 1
-                                 else config.num_kv_blocks_sliding for window in self.group_windows]
-        self.kv_caches = [
-            zeroed_untouched((2, self.group_num_blocks[group], self.block_size, kv_heads, row),
-                             config.kv_cache_torch_dtype, self.device)
-            for group in self.layer_groups
-        ]
-        # A hybrid model's recurrent layers keep state pools (a slot per request) in place of a KV pool.
-        self.recurrent: RecurrentStatePools | None = None
-        if model_config.recurrent is not None:
+        self.groups = model_kv_cache_groups(model_config)
+        self.paged_groups = [index for index, group in enumerate(self.groups) if group.paged]
+        self.group_windows = [self.groups[index].window for index in self.paged_groups]
+        self.layer_groups = layer_groups(self.groups, model_config.num_layers)
+        self.group_num_blocks = group_pool_sizes(self.groups, config.num_kv_blocks, config.num_kv_blocks_sliding,
+                                                 config.max_num_seqs)
+        self.recurrent_group: int | None = next((i for i, g in enumerate(self.groups) if not g.paged), None)
+        self.state_pools: StatePools | None = None
+        if self.recurrent_group is not None:
             rec = model_config.recurrent
-            self.recurrent = RecurrentStatePools(recurrent_state_spec(rec.kind, rec.params, rec.layers),
-                                                 config.max_num_seqs + 1, self.dtype, self.device, zeroed_untouched)
-            self._place_state_pools()
+            self.state_pools = StatePools(recurrent_state_spec(rec.kind, rec.params, rec.layers),
+                                          self.group_num_blocks[self.recurrent_group], self.dtype, self.device,
+                                          zeroed_untouched)
+        self.kv_caches = [
+            self.state_pools.pools[layer] if self.state_pools is not None and layer in self.state_pools.pools
+            else zeroed_untouched((2, self.group_num_blocks[group], self.block_size, kv_heads, row),
+                                  config.kv_cache_torch_dtype, self.device)
+            for layer, group in enumerate(self.layer_groups)
+        ]
         self.sampler = Sampler()
         # The engine's one attention backend (--attention-backend, the device, whether the C++
         # kernels built): it builds each step's metadata, which carries it to every layer.
@@ -231,17 +235,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         return logits, [state.req_id for state in inputs.sampling]
 
-    def _place_state_pools(self) -> None:
-        """The recurrent layers' entries of `kv_caches`: their state pools (again after they grew)."""
-        for layer, pools in self.recurrent.pools.items():
-            self.kv_caches[layer] = pools
-
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply what the scheduler says changed: finished requests, new ones, new tokens and blocks."""
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
-            if self.recurrent is not None:
-                self.recurrent.release(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             state = CachedRequestState(new)
             known = self.requests.get(new.req_id)
@@ -270,7 +267,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[np.ndarray] = []
         long_rope: list[np.ndarray] = []
-        slots: list[list[np.ndarray]] = [[] for _ in self.group_windows]  # per KV cache group
+        slots: list[list[np.ndarray]] = [[] for _ in self.groups]  # per KV cache group (paged ones)
         logits_indices: list[int] = []
         sampling: list[CachedRequestState] = []
         pooling: list[PoolingRows] = []
@@ -290,8 +287,8 @@ class ModelRunner:
             positions.append(pos)
             if self.long_rope_from is not None:  # as layers/rotary.long_rope decides
                 long_rope.append(np.maximum(pos + 1, state.num_prompt_tokens) > self.long_rope_from)
-            for group, table in enumerate(self._tables(state)):
-                table = np.asarray(table, dtype=np.int64)
+            for group in self.paged_groups:
+                table = np.asarray(state.block_ids[group], dtype=np.int64)
                 slots[group].append(table[pos // block_size] * block_size + pos % block_size)
             if state.pooling_params is not None:  # pooled, never sampled
                 pooling.append(PoolingRows(state, first_row, num_new, start, end == len(state.token_ids)))
@@ -301,7 +298,7 @@ class ModelRunner:
                 sampling.append(state)
 
         metas = []
-        for group in range(len(self.group_windows)):
+        for group in self.paged_groups:
             batch = AttentionBatch(slot_mapping=np.concatenate(slots[group]))
             if decodes:
                 batch.decode_block_tables, batch.decode_context_lens = self._decode_tables(
@@ -310,7 +307,7 @@ class ModelRunner:
             prefill_rows = []
             for state, num_new in prefills:
                 num_blocks = -(-(state.num_computed_tokens + num_new) // block_size)
-                block_ids = np.asarray(self._tables(state)[group][:num_blocks], dtype=np.int64)
+                block_ids = np.asarray(state.block_ids[group][:num_blocks], dtype=np.int64)
                 prefill_rows.append(PrefillRows(offset, num_new, state.num_computed_tokens, block_ids))
                 offset += num_new
             batch.prefills = prefill_rows
@@ -322,13 +319,13 @@ class ModelRunner:
             long_rope_rows = self._tensor(np.concatenate(long_rope))
             for group_meta in metas:
                 group_meta.long_rope = long_rope_rows
-
-        if self.recurrent is not None:  # each sequence's state slot, in batch order
-            slots_before = self.recurrent.num_slots
-            state_slots = [self.recurrent.slot(state.req_id) for state, _ in decodes + prefills]
-            if self.recurrent.num_slots != slots_before:
-                self._place_state_pools()
-            meta.state_slots = self._tensor(np.asarray(state_slots, dtype=np.int64))
+        if self.state_pools is not None:  # each sequence's state slot, in batch order
+            in_order = [state for state, _ in decodes + prefills]
+            state_slots = [state.block_ids[self.recurrent_group][0] for state in in_order]
+            self.state_pools.zero([slot for slot, state in zip(state_slots, in_order, strict=True)
+                                   if state.num_computed_tokens == 0])
+            for group_meta in metas:
+                group_meta.state_slots = self._tensor(np.asarray(state_slots, dtype=np.int64))
 
         return StepInputs(
             input_ids=self._tensor(np.asarray(ids, dtype=np.int64)),
@@ -366,10 +363,6 @@ class ModelRunner:
                 pooled[state.req_id] = rows[-1].float().cpu().numpy()
         return pooled
 
-    def _tables(self, state: CachedRequestState) -> list[list[int]]:
-        """The request's block table of each KV cache group."""
-        return state.block_ids if len(self.group_windows) > 1 else [state.block_ids]
-
     def _decode_tables(self, states: list[CachedRequestState], group: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """The decode rows' block tables (of KV cache group `group`), padded to the longest, and
         context lengths."""
@@ -378,7 +371,7 @@ class ModelRunner:
         # Padded with block 0: a real block, so the padding holds finite values the mask hides.
         padded = np.zeros((len(states), max_blocks), dtype=np.int64)
         for row, state in enumerate(states):
-            table = self._tables(state)[group][:max_blocks]
+            table = state.block_ids[group][:max_blocks]
             padded[row, : len(table)] = table
         return padded, lengths
 
@@ -387,14 +380,14 @@ class ModelRunner:
 
     def _copy_blocks(self, copies: list[tuple[int, ...]]) -> None:
         """(src, dst) in the pools of KV cache group 0, (src, dst, group) in another group's."""
-        for group in range(len(self.group_windows)):
+        for group in self.paged_groups:
             mine = [c for c in copies if (c[2] if len(c) > 2 else 0) == group]
             if not mine:
                 continue
             src = torch.tensor([c[0] for c in mine], device=self.device)
             dst = torch.tensor([c[1] for c in mine], device=self.device)
-            for layer, (cache, layer_group) in enumerate(zip(self.kv_caches, self.layer_groups, strict=True)):
-                if layer_group == group and not (self.recurrent and layer in self.recurrent.pools):
+            for cache, layer_group in zip(self.kv_caches, self.layer_groups, strict=True):
+                if layer_group == group:
                     cache[:, dst] = cache[:, src]
 
     # -- sampling -------------------------------------------------------------------------
