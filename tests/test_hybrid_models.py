@@ -171,7 +171,7 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_greedy_tokens_and_logits_match_transformers(tiny_hybrid, source):
     path = tiny_hybrid.hf_dir if source == "hf" else tiny_hybrid.gguf
     llm = LLM(str(path), dtype="float32", **EXACT)
-    recurrent = [m for m in llm.engine.runner.model.modules() if type(m) in RECURRENCES.values()]
+    recurrent = [m for m in llm.llm_engine.model_runner.model.modules() if type(m) in RECURRENCES.values()]
     kind = {"lfm2": ShortConv, "granite": Mamba2Mixer, "nemotron_h": Mamba2Mixer}.get(tiny_hybrid.kind, GatedDeltaNet)
     assert len(recurrent) == 3 and all(isinstance(layer, kind) for layer in recurrent)
     assert _greedy(llm, tiny_hybrid.prompts) == tiny_hybrid.expected
@@ -187,7 +187,7 @@ def test_chunked_prefill_and_preemption(tiny_hybrid, source):
     path = tiny_hybrid.hf_dir if source == "hf" else tiny_hybrid.gguf
     llm = LLM(str(path), dtype="float32", max_num_batched_tokens=32, num_kv_blocks=14, **EXACT)
     assert _greedy(llm, tiny_hybrid.prompts) == tiny_hybrid.expected
-    assert llm.engine.engine_core.scheduler.stats.num_preemptions > 0
+    assert llm.llm_engine.scheduler.stats.num_preemptions > 0
 
 
 def test_prefix_caching_is_off_and_repeated_prompts_stay_right(tiny_hybrid, caplog):
