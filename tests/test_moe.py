@@ -313,12 +313,12 @@ def test_experts_in_mxfp4_blocks(tmp_path_factory):
         for a, b in zip(ours.logprobs, theirs.logprobs, strict=True):
             assert abs(a.logprob - b.logprob) < 1e-5 and [t for t, _ in a.top] == [t for t, _ in b.top]
     own = LLM(str(blocks), num_kv_blocks=64)
-    experts = [m for m in own.engine.runner.model.modules() if isinstance(m, SparseMoeBlock)][0].experts
+    experts = [m for m in own.llm_engine.model_runner.model.modules() if isinstance(m, SparseMoeBlock)][0].experts
     assert experts[0].gate_up_proj.qtypes == [GGMLQuantizationType.MXFP4]
     assert experts[0].down_proj.qtypes == [GGMLQuantizationType.MXFP4]
     # On VNNI builds the experts' rows (multiples of 16) are interleaved (csrc/gguf_interleaved.h).
     interleaved = cpu_kernels().gguf_kernel_isa() == "avx512-vnni"
     assert experts[0].gate_up_proj.parts[0].kernel_type == GGMLQuantizationType.MXFP4 + 256 * interleaved
-    assert own.engine.runner.fused_decoder is not None
+    assert own.llm_engine.model_runner.fused_decoder is not None
     worst, worst_kl = decode_logits_both_ways(own.engine, [[5, 9, 30, 31, 200], [7] * 20, [11, 12]], steps=4)
     assert worst_kl < 1e-3, (worst, worst_kl)
