@@ -32,13 +32,13 @@ _EXPORTS = {
     "PoolingOutput": "roseinfer.outputs",
     "PoolingRequestOutput": "roseinfer.outputs",
     "Request": "roseinfer.core.request",
-    # The seed's names (roseinfer/engine/seed_api.py).
-    "InferenceEngine": "roseinfer.engine.seed_api",
-    "InferenceSession": "roseinfer.engine.seed_api",
-    "OfflineScheduler": "roseinfer.engine.seed_api",
-    "OnlineScheduler": "roseinfer.engine.seed_api",
-    "SchedulerManager": "roseinfer.engine.seed_api",
-    "OutputDelta": "roseinfer.engine.seed_api",
+    # The seed's names (roseinfer/seed_api.py, on top of LLM / LLMEngine / AsyncLLM).
+    "InferenceEngine": "roseinfer.seed_api",
+    "InferenceSession": "roseinfer.seed_api",
+    "OfflineScheduler": "roseinfer.seed_api",
+    "OnlineScheduler": "roseinfer.seed_api",
+    "SchedulerManager": "roseinfer.seed_api",
+    "OutputDelta": "roseinfer.seed_api",
     "RoseInferError": "roseinfer.errors",
     "InvalidRequestError": "roseinfer.errors",
     "ModelLoadError": "roseinfer.errors",
@@ -74,6 +74,8 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'roseinfer' has no attribute {name!r}")
+    if name == "LLM":  # with the seed's view `LLM.engine`, which the seed layer attaches from above
+        importlib.import_module("roseinfer.seed_api")
     return getattr(importlib.import_module(module), name)
 
 
@@ -83,14 +85,6 @@ if TYPE_CHECKING:
     from roseinfer.engine.async_llm import AsyncLLM
     from roseinfer.engine.llm import LLM
     from roseinfer.engine.llm_engine import LLMEngine
-    from roseinfer.engine.seed_api import (
-        InferenceEngine,
-        InferenceSession,
-        OfflineScheduler,
-        OnlineScheduler,
-        OutputDelta,
-        SchedulerManager,
-    )
     from roseinfer.errors import InvalidRequestError, ModelLoadError, RoseInferError
     from roseinfer.outputs import (
         CompletionOutput,
@@ -101,3 +95,11 @@ if TYPE_CHECKING:
     )
     from roseinfer.pooling_params import PoolingParams
     from roseinfer.sampling_params import RequestOutputKind, SamplingParams
+    from roseinfer.seed_api import (
+        InferenceEngine,
+        InferenceSession,
+        OfflineScheduler,
+        OnlineScheduler,
+        OutputDelta,
+        SchedulerManager,
+    )

@@ -28,6 +28,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from roseinfer.engine.llm import LLM
     from roseinfer.executor.local_workers import run_worker_host_if_asked
     from roseinfer.sampling_params import SamplingParams
+    from roseinfer.seed_api import InferenceEngine
 
     exit_code = run_worker_host_if_asked(engine_config_from_cli(args))
     if exit_code is not None:
@@ -49,7 +50,7 @@ def run_generate(args: argparse.Namespace) -> int:
         for index, prompt in enumerate(prompts):
             print(f"### request {index}", flush=True)
             request = ChatPrompt([{"role": "user", "content": prompt}]) if chat else prompt
-            for piece in llm.engine.stream(request, params):  # LLM's engine, through the seed's adapter
+            for piece in InferenceEngine(llm_engine=llm.llm_engine).stream(request, params):  # the seed's streaming
                 print(piece, end="", flush=True)
             print("\n")
         return 0

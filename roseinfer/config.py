@@ -159,6 +159,11 @@ class ModelConfig:
         return [self.layer_window(layer) for layer in range(self.num_layers)]
 
     @property
+    def recurrent_layers(self) -> list[int]:
+        """The layers that keep a recurrent state instead of a KV cache (see `recurrent`)."""
+        return list(self.recurrent.layers) if self.recurrent is not None else []
+
+    @property
     def long_rope_from(self) -> int | None:
         """LongRoPE: the original context, past which a sequence takes the long frequencies (see
         layers/rotary.long_rope); None for every other rotary embedding."""

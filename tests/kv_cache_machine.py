@@ -1,6 +1,6 @@
-"""The request lifecycle both block managers' property tests drive (tests/test_kv_cache_manager.py,
-tests/test_kv_cache_manager_hybrid.py): fork, free, the scheduler's end-of-step caching, and the
-manager's own invariants. A machine subclassing this holds `manager`, `ids`, and per request its
+"""The request lifecycle the block managers' and the KV coordinator's property tests drive
+(tests/test_kv_cache_manager*.py): fork (where the manager shares prompts), free, the scheduler's
+end-of-step caching, and the manager's own invariants. A machine subclassing this holds `manager`, `ids`, and per request its
 `tokens` and `salts`."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 
 class RequestLifecycleMachine(RuleBasedStateMachine):
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: self.tokens and getattr(self.manager, "shares_prompts", True))
     @rule(data=st.data())
     def fork(self, data) -> None:
         parent = data.draw(st.sampled_from(sorted(self.tokens)))

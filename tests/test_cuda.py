@@ -154,7 +154,7 @@ def test_hybrid_float32_logits_and_greedy_match_transformers(tiny_hybrid_cuda):
     transformers' logits and greedy tokens."""
     built = tiny_hybrid_cuda
     llm = LLM(str(built.hf_dir), **EXACT)
-    state = next(iter(llm.engine.runner.recurrent.pools.values()))
+    state = next(iter(llm.llm_engine.model_runner.state_pools.pools.values()))
     assert all(tensor.is_cuda for tensor in state)
     outputs = llm.generate(prompt_token_ids=built.prompts, use_tqdm=False, sampling_params=SamplingParams(
         temperature=0.0, max_tokens=len(built.expected[0]), ignore_eos=True))

@@ -40,7 +40,7 @@ def test_chunked_prefill_messages_and_outputs(tiny_llama):
     first = core.scheduler.schedule()
     (new,) = first.scheduled_new_reqs
     assert (new.req_id, new.prompt_token_ids, new.num_computed_tokens) == ("a", prompt, 0)
-    assert len(new.block_ids) == 4 and first.num_scheduled_tokens == {"a": 16}
+    assert len(new.block_ids[0]) == 4 and first.num_scheduled_tokens == {"a": 16}
     outputs = core.scheduler.update_from_output(first, core.executor.execute_model(first))
     assert outputs.outputs == []  # a prompt chunk that does not reach the end samples nothing
     assert outputs.scheduler_stats.num_running == 1
@@ -48,11 +48,11 @@ def test_chunked_prefill_messages_and_outputs(tiny_llama):
     second = core.scheduler.schedule()
     (cached,) = second.scheduled_cached_reqs
     assert (cached.num_computed_tokens, cached.new_token_ids) == (16, [])
-    assert len(cached.block_ids) == 8  # the table grew: the runner gets it whole
+    assert len(cached.block_ids[0]) == 8  # the table grew: the runner gets it whole
     core.scheduler.update_from_output(second, core.executor.execute_model(second))
 
     third = core.scheduler.schedule()
-    assert third.num_scheduled_tokens == {"a": 8} and len(third.scheduled_cached_reqs[0].block_ids) == 10
+    assert third.num_scheduled_tokens == {"a": 8} and len(third.scheduled_cached_reqs[0].block_ids[0]) == 10
     (output,) = core.scheduler.update_from_output(third, core.executor.execute_model(third)).outputs
     expected = greedy_reference(model, prompt, 3)
     assert output.new_token_ids == expected[:1] and not output.finished
@@ -60,7 +60,7 @@ def test_chunked_prefill_messages_and_outputs(tiny_llama):
     decode = core.scheduler.schedule()
     assert decode.num_scheduled_tokens == {"a": 1}
     assert decode.scheduled_cached_reqs[0].new_token_ids == expected[:1]  # what the runner learns
-    assert len(decode.scheduled_cached_reqs[0].block_ids) == 11  # position 40 starts a block
+    assert len(decode.scheduled_cached_reqs[0].block_ids[0]) == 11  # position 40 starts a block
     core.scheduler.update_from_output(decode, core.executor.execute_model(decode))
     decode = core.scheduler.schedule()
     assert decode.scheduled_cached_reqs[0].block_ids is None  # position 41: the same block, nothing new

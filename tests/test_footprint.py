@@ -40,7 +40,7 @@ def test_kv_pool_commits_only_the_pages_written() -> None:
     # pages that commits ~0.5 MiB; in 2 MiB huge pages it was 120 MiB.
     figures = measure("""
 import torch
-from roseinfer.worker.model_runner import zeroed_untouched
+from roseinfer.worker.kv_pools import zeroed_untouched
 before = status("VmRSS")
 pools = [zeroed_untouched((2, 5461, 16, 3, 64), torch.bfloat16, torch.device("cpu")) for _ in range(30)]
 after_alloc = status("VmRSS")
@@ -125,9 +125,9 @@ prompts = [f"{i} {text}" for i in range(4)]
 llm.generate(["warm up"], SamplingParams(max_tokens=2), use_tqdm=False)
 before = status("VmRSS")
 llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
-tokens = sum(len(llm.engine.tokenizer.encode(p)) for p in prompts)
+tokens = sum(len(llm.llm_engine.tokenizer.encode(p)) for p in prompts)
 import torch
-extra = {"growth": status("VmRSS") - before, "kv": tokens * llm.engine.model_config.kv_block_bytes(1, torch.int8)}
+extra = {"growth": status("VmRSS") - before, "kv": tokens * llm.llm_engine.model_config.kv_block_bytes(1, torch.int8)}
 """)
     beyond_kv = figures["growth"] - figures["kv"]
     assert beyond_kv < 40 * MIB, f"a prefill left {beyond_kv / MIB:.0f} MiB resident beyond its KV pages"

@@ -116,7 +116,7 @@ def test_default_model_next_token_distributions_with_and_without_the_fused_decod
     if quantization == "none" and dtype not in panel_dtypes():
         pytest.skip(f"this CPU's build has no {dtype} panel kernel: no fused decoder for float weights")
     llm = LLM(quantization=quantization, dtype=dtype, kv_cache_memory=0.25)
-    assert llm.engine.runner.fused_decoder is not None
+    assert llm.llm_engine.model_runner.fused_decoder is not None
     worst, worst_kl = decode_logits_both_ways(llm.engine, chat_prompt_ids[:4], steps=8)
     assert worst_kl < 0.1, (worst, worst_kl)
     if quantization == "none":

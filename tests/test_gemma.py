@@ -25,7 +25,7 @@ from test_fused_decode import decode_logits_both_ways, panel_dtypes, quantizes_a
 
 from roseinfer import LLM
 from roseinfer.common.kv_cache_spec import sliding_blocks_per_sequence
-from roseinfer.core.kv_cache_manager import RELEASED
+from roseinfer.core.kv_cache import RELEASED
 from roseinfer.core.kv_pool_plan import plan_engine
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.tokenizer import Tokenizer
@@ -148,14 +148,14 @@ def test_logits_and_greedy_tokens_match_transformers(models, kind, source):
     extra = {"tokenizer": str(models[kind])} if source == "gguf" and kind == "gemma2" else {}
     # A small token budget: the 40-token prompt is prefilled in chunks past the window.
     llm = LLM(model, num_kv_blocks=64, max_num_batched_tokens=16, quantization="none", **extra)
-    config = llm.engine.model_config
+    config = llm.llm_engine.model_config
     assert config.sliding_window == WINDOW and config.context_length == 512
     worst = compare_logits_step_by_step(llm.engine, reference, prompts, 2)
     assert worst < TOLERANCE, f"{kind} ({source}): max |logit difference| {worst}"
 
     expected = _greedy_reference(reference, prompts)
     if "float32" in panel_dtypes():  # the decode steps ran in the fused C++ step, not op by op
-        assert llm.engine.runner.fused_decoder is not None, f"{kind} ({source}): no fused decode step"
+        assert llm.llm_engine.model_runner.fused_decoder is not None, f"{kind} ({source}): no fused decode step"
     assert _greedy(llm, prompts) == expected, f"{kind} ({source}), C++ decode kernel"
     if source == "hf" and kind != "mistral":  # SDPA with the window's mask, Gemma 2's soft-capped math
         torch_llm = LLM(model, num_kv_blocks=64, attention_backend="torch", quantization="none")
@@ -185,14 +185,14 @@ def test_fused_decode_step_equals_the_op_by_op_forward(models, kind, weights):
         llm = LLM(str(models[kind]), num_kv_blocks=128, num_kv_blocks_sliding=96, quantization="none", dtype=weights)
     else:
         llm = LLM(str(models[kind]), num_kv_blocks=128, num_kv_blocks_sliding=96, quantization=weights)
-    runner = llm.engine.runner
+    runner = llm.llm_engine.model_runner
     fused = runner.fused_decoder
     assert fused is not None, "Gemma decodes op by op"
     # Two KV cache groups, pools of different sizes: a layer read through the other group's
     # tables would read other blocks than it wrote.
     assert runner.group_windows == [None, WINDOW] and len(set(runner.group_num_blocks)) == 2
     assert fused.decoder.rotary_tables() == (1 if runner.model.same_rotary else 2)
-    prompts = _prompts(llm.engine.model_config.vocab_size) + MANY_PROMPTS
+    prompts = _prompts(llm.llm_engine.model_config.vocab_size) + MANY_PROMPTS
     assert max(map(len, prompts)) > WINDOW
     worst, worst_kl = decode_logits_both_ways(llm.engine, prompts, steps=5)
     if weights == "float32" or (weights not in ("bfloat16", "float32") and not quantizes_activations()):
@@ -212,20 +212,22 @@ def test_gemma_local_layers_hold_at_most_their_window(models, backend):
     prompts = _prompts(reference.config.vocab_size)
     llm = LLM(str(models["gemma3"]), block_size=4, max_num_batched_tokens=8, max_num_seqs=3,
               attention_backend=backend, quantization="none")
-    engine = llm.engine
+    engine = llm.llm_engine
     full, sliding = engine.kv_cache.groups
     bound = sliding_blocks_per_sequence(WINDOW, 8, 4)
     assert sliding.num_blocks == 3 * bound and full.num_blocks == 3 * 512 // 4
-    runner = engine.runner
+    runner = engine.model_runner
     windows = engine.model_config.layer_windows
     assert [cache.shape[1] for cache in runner.kv_caches] == [sliding.num_blocks if w else full.num_blocks
                                                               for w in windows]
-    ids = {engine.add_request(None, GREEDY, prompt_token_ids=prompt): i for i, prompt in enumerate(prompts)}
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), prompt, GREEDY)
     tokens: list[list[int]] = [[] for _ in prompts]
     most_held = longest = 0
     while engine.has_unfinished_requests():
-        for delta in engine.step():
-            tokens[ids[delta.request_id]].extend(delta.token_ids)
+        for output in engine.step():
+            if output.finished:
+                tokens[int(output.request_id)] = list(output.outputs[0].token_ids)
         engine.kv_cache.check_invariants()
         for request_id, table in full.block_tables.items():
             assert RELEASED not in table
@@ -248,7 +250,7 @@ def test_a_gemma_prefix_hit_past_the_window_gives_the_same_tokens(models):
     assert first.metrics.num_cached_tokens == 0 and second.metrics.num_cached_tokens == 40
     expected = _greedy_reference(reference, [shared + [5], shared + [9, 10]])
     assert [list(first.outputs[0].token_ids), list(second.outputs[0].token_ids)] == expected
-    engine = llm.engine
+    engine = llm.llm_engine
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
     engine.kv_cache.check_invariants()
 
@@ -263,7 +265,7 @@ def test_gemma_preempts_when_its_sliding_pool_runs_out(models):
     bound = sliding_blocks_per_sequence(WINDOW, 8, 4)
     llm = LLM(str(models["gemma3"]), block_size=4, max_num_batched_tokens=8, max_num_seqs=3,
               num_kv_blocks_sliding=bound + 2, quantization="none")
-    engine = llm.engine
+    engine = llm.llm_engine
     assert engine.kv_cache.groups[0].num_blocks == 3 * 512 // 4, "the full pool is not what runs out"
     params = SamplingParams(n=2, temperature=0.0, max_tokens=32, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -305,7 +307,7 @@ def test_num_kv_blocks_sliding_is_for_models_with_both_kinds_of_layers(models):
     """Sets the sliding layers' pool of a Gemma; refused by name below one sequence's window
     bound, and for Mistral (every layer alike)."""
     llm = LLM(str(models["gemma2"]), num_kv_blocks=40, num_kv_blocks_sliding=36, quantization="none")
-    assert [group.num_blocks for group in llm.engine.kv_cache.groups] == [40, 36]
+    assert [group.num_blocks for group in llm.llm_engine.kv_cache.groups] == [40, 36]
     with pytest.raises(ValueError, match="num_kv_blocks_sliding 2 is fewer than one sequence"):
         LLM(str(models["gemma2"]), num_kv_blocks_sliding=2, quantization="none")
     with pytest.raises(ValueError, match="num_kv_blocks_sliding applies to a model with both"):
@@ -321,8 +323,8 @@ def test_a_windowed_model_runs_sequences_longer_than_its_pool(models, backend):
     prompts = _prompts(reference.config.vocab_size)
     llm = LLM(str(models["mistral"]), block_size=4, num_kv_blocks=8, max_num_batched_tokens=8, max_num_seqs=3,
               attention_backend=backend, quantization="none")
-    engine = llm.engine
-    assert engine.kv_cache.attention_span == WINDOW
+    engine = llm.llm_engine
+    assert [group.attention_span for group in engine.kv_cache.groups] == [WINDOW]
     assert engine.config.max_model_len == 512, "the pool bounds a windowed sequence's span, not its length"
     assert _greedy(llm, prompts) == _greedy_reference(reference, prompts)
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
@@ -416,7 +418,7 @@ def test_prefix_caching_and_preemption_on_gemma(models):
     first = _greedy(llm, [batch[0]])
     assert first == expected[:1]
     assert _greedy(llm, batch) == expected
-    engine = llm.engine
+    engine = llm.llm_engine
     assert engine.kv_cache.prefix_stats.hits > 0, "the shared prefix was meant to be cached"
     assert engine.scheduler.stats.num_preemptions > 0, "the pool was meant to be too small"
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
@@ -484,7 +486,7 @@ def test_speculative_decoding_on_gemma_gives_transformers_tokens(models):
         llm = LLM(str(models["gemma3"]), block_size=4, max_num_batched_tokens=16, max_num_seqs=3,
                   speculative_config=spec, quantization="none", **sizing)
         assert _greedy(llm, prompts) == expected, f"num_kv_blocks={blocks}"
-        engine = llm.engine
+        engine = llm.llm_engine
         stats = engine.scheduler.stats
         assert stats.num_draft_tokens > stats.num_accepted_tokens > 0, "drafts were meant to be proposed and some taken"
         if blocks:

@@ -33,7 +33,7 @@ from roseinfer.layers.recurrent.gated_delta_net import (
 from roseinfer.layers.recurrent.mamba2 import Mamba2Mixer
 from roseinfer.layers.recurrent.short_conv import ShortConv
 from roseinfer.worker.fault_injection import FAULT_TOKEN_ENV
-from roseinfer.worker.recurrent_state import RecurrentStatePools
+from roseinfer.worker.state_pools import StatePools
 
 TOKENS = 12
 TOLERANCE = 1e-3  # float32 logits
@@ -171,7 +171,7 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_greedy_tokens_and_logits_match_transformers(tiny_hybrid, source):
     path = tiny_hybrid.hf_dir if source == "hf" else tiny_hybrid.gguf
     llm = LLM(str(path), dtype="float32", **EXACT)
-    recurrent = [m for m in llm.engine.runner.model.modules() if type(m) in RECURRENCES.values()]
+    recurrent = [m for m in llm.llm_engine.model_runner.model.modules() if type(m) in RECURRENCES.values()]
     kind = {"lfm2": ShortConv, "granite": Mamba2Mixer, "nemotron_h": Mamba2Mixer}.get(tiny_hybrid.kind, GatedDeltaNet)
     assert len(recurrent) == 3 and all(isinstance(layer, kind) for layer in recurrent)
     assert _greedy(llm, tiny_hybrid.prompts) == tiny_hybrid.expected
@@ -187,7 +187,7 @@ def test_chunked_prefill_and_preemption(tiny_hybrid, source):
     path = tiny_hybrid.hf_dir if source == "hf" else tiny_hybrid.gguf
     llm = LLM(str(path), dtype="float32", max_num_batched_tokens=32, num_kv_blocks=14, **EXACT)
     assert _greedy(llm, tiny_hybrid.prompts) == tiny_hybrid.expected
-    assert llm.engine.engine_core.scheduler.stats.num_preemptions > 0
+    assert llm.llm_engine.scheduler.stats.num_preemptions > 0
 
 
 def test_prefix_caching_is_off_and_repeated_prompts_stay_right(tiny_hybrid, caplog):
@@ -292,16 +292,20 @@ def test_chunked_delta_rule_equals_the_token_by_token_recurrence():
     torch.testing.assert_close(final, state, atol=1e-5, rtol=1e-5)
 
 
-def test_state_pools_give_each_request_a_slot_and_grow():
+def test_state_pools_hold_each_tensor_per_slot_and_zero_a_starting_sequence():
+    """The runner's state pools (worker/state_pools.py; the KV coordinator hands out the slots):
+    each tensor of the spec per layer, in its own dtype; zeroing a slot (a sequence that starts at
+    position 0) leaves the other slots' state."""
     spec = RecurrentStateSpec("gated_delta_net", (0, 2), (StateTensorSpec("conv", (3, 8)),
                                                           StateTensorSpec("recurrent", (2, 4, 4), "float32")))
-    pools = RecurrentStatePools(spec, 2, torch.bfloat16, torch.device("cpu"))
+    pools = StatePools(spec, 3, torch.bfloat16, torch.device("cpu"))
     assert [tensor.dtype for tensor in pools.pools[0]] == [torch.bfloat16, torch.float32]
-    a, b = pools.slot("a"), pools.slot("b")
-    pools.pools[2][1][b] = 1.0
-    assert pools.slot("a") == a and a != b
-    c = pools.slot("c")  # a third request while two hold slots: the pools grow, keeping b's state
-    assert pools.num_slots == 4 and c not in (a, b) and bool((pools.pools[2][1][b] == 1.0).all())
-    pools.release("a")
-    assert pools.slot("d") == a
+    assert [tuple(tensor.shape) for tensor in pools.pools[2]] == [(3, 3, 8), (3, 2, 4, 4)]
+    for tensors in pools.pools.values():
+        for tensor in tensors:
+            tensor.fill_(1.0)
+    pools.zero([1])
+    for tensors in pools.pools.values():
+        for tensor in tensors:
+            assert tensor.flatten(1).float().mean(1).tolist() == [1.0, 0.0, 1.0]
     assert spec.slot_bytes(torch.bfloat16) == 2 * (3 * 8 * 2 + 2 * 4 * 4 * 4)

@@ -1,5 +1,5 @@
-"""Property test of the hybrid block manager (core/kv_cache_manager.HybridKVCacheManager): a
-full-attention group and a sliding-window group over pools of their own, both small enough to run
+"""Property test of the KV coordinator (core/kv_cache/coordinator.py) over a hybrid model's
+groups: a full-attention group and a sliding-window group over pools of their own, both small enough to run
 out, under random allocate (with prefix-cache lookups) / append / draft-and-roll-back / fork /
 free / end-of-step sequences, as in test_kv_cache_manager.py.
 
@@ -21,7 +21,12 @@ from roseinfer.common.kv_cache_spec import (
     layer_kv_groups,
     sliding_blocks_per_sequence,
 )
-from roseinfer.core.kv_cache_manager import RELEASED, HybridKVCacheManager, KVCacheManager
+from roseinfer.core.kv_cache import (
+    RELEASED,
+    KVCacheCoordinator,
+    KVCacheManager,
+    SlidingWindowManager,
+)
 
 FULL_BLOCKS = 12
 SLIDING_BLOCKS = 7
@@ -35,9 +40,9 @@ SALTS = st.sampled_from([None, "a"])
 class HybridBlockManagerMachine(RequestLifecycleMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.manager = HybridKVCacheManager([
+        self.manager = KVCacheCoordinator([
             KVCacheManager(FULL_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True),
-            KVCacheManager(SLIDING_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, attention_span=WINDOW, group=1),
+            SlidingWindowManager(SLIDING_BLOCKS, BLOCK_SIZE, WINDOW, enable_prefix_caching=True, group=1),
         ])
         self.pools = [{b: [None] * BLOCK_SIZE for b in range(n)} for n in (FULL_BLOCKS, SLIDING_BLOCKS)]
         self.tokens: dict[int, list[int]] = {}
@@ -165,9 +170,7 @@ def test_groups_by_attention_kind():
 def test_a_hit_stops_before_an_evicted_block_inside_the_window():
     """A prefix whose sliding blocks inside the window before the hit were evicted is shortened to
     where the window's blocks are all there (vLLM's sliding-window lookup)."""
-    manager = HybridKVCacheManager([
-        KVCacheManager(16, BLOCK_SIZE), KVCacheManager(16, BLOCK_SIZE, attention_span=WINDOW, group=1),
-    ])
+    manager = KVCacheCoordinator([KVCacheManager(16, BLOCK_SIZE), SlidingWindowManager(16, BLOCK_SIZE, WINDOW, group=1)])
     prompt = list(range(4 * BLOCK_SIZE + 1))
     assert manager.allocate_slots(0, 0, len(prompt))
     manager.cache_computed_blocks(0, prompt, len(prompt))

@@ -14,7 +14,7 @@ PACKAGE = Path(roseinfer.__file__).parent
 # Top to bottom. A module belongs to the first layer one of whose prefixes it starts with.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("entry points", ("roseinfer.cli", "roseinfer.bench", "roseinfer.offline_example", "roseinfer.server.__main__",
-                      "roseinfer.worker.__main__", "roseinfer.__init__")),
+                      "roseinfer.worker.__main__", "roseinfer.__init__", "roseinfer.seed_api")),
     ("server", ("roseinfer.server",)),
     ("engine", ("roseinfer.engine",)),
     ("core", ("roseinfer.core",)),

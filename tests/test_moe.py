@@ -105,13 +105,13 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_greedy_tokens_and_logits_match_transformers(tiny_moe, source):
     path = tiny_moe.hf_dir if source == "hf" else tiny_moe.gguf
     llm = LLM(str(path), num_kv_blocks=64, **EXACT)
-    model = llm.engine.runner.model
+    model = llm.llm_engine.model_runner.model
     assert any(isinstance(m, SparseMoeBlock) for m in model.modules())
     assert _greedy(llm, tiny_moe.prompts) == tiny_moe.expected
     worst = compare_logits_step_by_step(llm.engine, tiny_moe.reference, tiny_moe.prompts, 3)
     assert worst < TOLERANCE, f"max |logit difference| {worst}"
     # The decode steps above ran in the fused C++ step, router and experts included.
-    assert llm.engine.runner.fused_decoder is not None
+    assert llm.llm_engine.model_runner.fused_decoder is not None
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe"])
@@ -136,7 +136,7 @@ def test_the_fused_decode_step_on_bfloat16_activations_equals_the_op_by_op_forwa
     moe = built("olmoe", tmp_path_factory)
     prompts = [[5, 9, 30, 31, 200], [7] * 20, list(range(40, 77)), [11, 12]]
     blocks = LLM(str(moe.hf_dir), num_kv_blocks=64, quantization="int8", dtype="bfloat16")
-    assert blocks.engine.runner.fused_decoder is not None
+    assert blocks.llm_engine.model_runner.fused_decoder is not None
     worst, worst_kl = decode_logits_both_ways(blocks.engine, prompts, steps=6)
     assert worst_kl < 1e-3, (worst, worst_kl)
 
@@ -153,7 +153,7 @@ def test_shared_expert_from_hf_and_from_q8_0_blocks(tmp_path_factory):
     assert compare_logits_step_by_step(llm.engine, moe.reference, moe.prompts, 3) < TOLERANCE
 
     llm = LLM(str(moe.gguf), num_kv_blocks=64)
-    model = llm.engine.runner.model
+    model = llm.llm_engine.model_runner.model
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     experts = [expert for block in blocks for expert in block.experts]
     assert experts and all(isinstance(e.gate_up_proj, BlockLinear) and isinstance(e.down_proj, BlockLinear)
@@ -177,7 +177,7 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens(tmp_path_factory):
     # and a pool of 12 blocks of 16 cannot hold the four requests at full length together.
     llm = LLM(str(moe.gguf), num_kv_blocks=12, max_num_batched_tokens=16, max_num_seqs=4, **EXACT)
     assert _greedy(llm, moe.prompts) == moe.expected
-    engine = llm.engine
+    engine = llm.llm_engine
     assert engine.scheduler.stats.num_preemptions > 0, "the pool was meant to be too small"
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
@@ -186,7 +186,7 @@ def test_prefix_caching_gives_the_same_tokens(tmp_path_factory):
     """A prompt sent again reads its cached blocks (all but the last) and continues as before."""
     moe = built("qwen3_moe", tmp_path_factory)
     llm = LLM(str(moe.hf_dir), num_kv_blocks=64, block_size=16, enable_prefix_caching=True, **EXACT)
-    stats = llm.engine.kv_cache.prefix_stats
+    stats = llm.llm_engine.kv_cache.prefix_stats
     prompt, expected = moe.prompts[3], moe.expected[3]  # 40 tokens: two full blocks
     assert _greedy(llm, [prompt]) == [expected]
     hits = stats.hits
@@ -313,12 +313,12 @@ def test_experts_in_mxfp4_blocks(tmp_path_factory):
         for a, b in zip(ours.logprobs, theirs.logprobs, strict=True):
             assert abs(a.logprob - b.logprob) < 1e-5 and [t for t, _ in a.top] == [t for t, _ in b.top]
     own = LLM(str(blocks), num_kv_blocks=64)
-    experts = [m for m in own.engine.runner.model.modules() if isinstance(m, SparseMoeBlock)][0].experts
+    experts = [m for m in own.llm_engine.model_runner.model.modules() if isinstance(m, SparseMoeBlock)][0].experts
     assert experts[0].gate_up_proj.qtypes == [GGMLQuantizationType.MXFP4]
     assert experts[0].down_proj.qtypes == [GGMLQuantizationType.MXFP4]
     # On VNNI builds the experts' rows (multiples of 16) are interleaved (csrc/gguf_interleaved.h).
     interleaved = cpu_kernels().gguf_kernel_isa() == "avx512-vnni"
     assert experts[0].gate_up_proj.parts[0].kernel_type == GGMLQuantizationType.MXFP4 + 256 * interleaved
-    assert own.engine.runner.fused_decoder is not None
+    assert own.llm_engine.model_runner.fused_decoder is not None
     worst, worst_kl = decode_logits_both_ways(own.engine, [[5, 9, 30, 31, 200], [7] * 20, [11, 12]], steps=4)
     assert worst_kl < 1e-3, (worst, worst_kl)

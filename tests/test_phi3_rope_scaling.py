@@ -243,8 +243,8 @@ def test_phi3_chunked_prefill_and_preemption(phi, phi_expected):
     llm = LLM(str(hf_dir), num_kv_blocks=24, block_size=4, max_num_batched_tokens=8, **EXACT)
     got = engine_tokens(llm, [list(p) for p in phi_expected])
     assert got == list(phi_expected.values())
-    assert llm.engine.scheduler.stats.num_preemptions > 0
-    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+    assert llm.llm_engine.scheduler.stats.num_preemptions > 0
+    assert llm.llm_engine.kv_cache.num_free_blocks == llm.llm_engine.kv_cache.num_blocks
 
 
 def test_phi3_prefix_cache_never_mixes_short_and_long_rotations(phi):
@@ -255,7 +255,7 @@ def test_phi3_prefix_cache_never_mixes_short_and_long_rotations(phi):
     short = torch.randint(3, model.config.vocab_size, (24,), generator=generator).tolist()
     long = short + torch.randint(3, model.config.vocab_size, (20,), generator=generator).tolist()
     llm = LLM(str(hf_dir), num_kv_blocks=128, block_size=4, enable_prefix_caching=True, **EXACT)
-    stats = llm.engine.kv_cache.prefix_stats
+    stats = llm.llm_engine.kv_cache.prefix_stats
     assert engine_tokens(llm, [short]) == [hf_greedy(model, short, NEW_TOKENS)]
     hits = stats.hits
     assert engine_tokens(llm, [long]) == [hf_greedy(model, long, NEW_TOKENS)]

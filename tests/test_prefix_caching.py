@@ -32,9 +32,9 @@ def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
-    kv = llm.engine.kv_cache
+    kv = llm.llm_engine.kv_cache
     kv.check_invariants()
-    assert not kv.block_tables and kv.num_free_blocks == kv.num_blocks
+    assert not any(group.block_tables for group in kv.groups) and kv.num_free_blocks == kv.num_blocks
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def reference(uncached, prompts) -> list[list[int]]:
 
 def test_shared_system_prompt_is_computed_once_and_outputs_are_identical(prompts, reference):
     llm = LLM(**EXACT, num_kv_blocks=256)
-    kv, stats = llm.engine.kv_cache, llm.engine.scheduler.stats
+    kv, stats = llm.llm_engine.kv_cache, llm.llm_engine.scheduler.stats
     assert generate(llm, prompts[:1]) == reference[:1]
     computed_alone = stats.num_scheduled_tokens
     assert generate(llm, prompts[1:]) == reference[1:]
@@ -68,14 +68,14 @@ def test_shared_system_prompt_is_computed_once_and_outputs_are_identical(prompts
 
 def test_a_prompt_that_is_all_cached_still_computes_its_last_token(prompts, reference):
     llm = LLM(**EXACT, num_kv_blocks=256)
-    block_size = llm.engine.kv_cache.block_size
+    block_size = llm.llm_engine.kv_cache.block_size
     # A prompt of whole blocks: every block is cached after the first run.
     whole = prompts[0][: len(prompts[0]) // block_size * block_size]
     first = generate(llm, [whole])
-    hits_before = llm.engine.kv_cache.prefix_stats.hits
+    hits_before = llm.llm_engine.kv_cache.prefix_stats.hits
     assert generate(llm, [whole]) == first
     # All blocks but the last are reused; the last is recomputed for the last token's logits.
-    assert llm.engine.kv_cache.prefix_stats.hits - hits_before == len(whole) - block_size
+    assert llm.llm_engine.kv_cache.prefix_stats.hits - hits_before == len(whole) - block_size
     assert_all_blocks_free(llm)
 
 
@@ -83,8 +83,8 @@ def test_preempted_requests_holding_cached_blocks_give_the_same_output(prompts, 
     # 6 prompts of ~70 tokens (5 blocks each) + outputs in 28 blocks: preemption is certain.
     llm = LLM(**EXACT, num_kv_blocks=28, max_num_seqs=6)
     assert generate(llm, prompts) == reference
-    assert llm.engine.scheduler.stats.num_preemptions > 0
-    assert llm.engine.kv_cache.prefix_stats.hits > 0
+    assert llm.llm_engine.scheduler.stats.num_preemptions > 0
+    assert llm.llm_engine.kv_cache.prefix_stats.hits > 0
     assert_all_blocks_free(llm)
 
 
@@ -93,18 +93,18 @@ def test_evicted_blocks_are_never_found_through_stale_keys(prompts, reference):
     for _ in range(2):
         for prompt, expected in zip(prompts, reference, strict=True):
             assert generate(llm, [prompt]) == [expected]
-    assert llm.engine.kv_cache.prefix_stats.hits > 0
+    assert llm.llm_engine.kv_cache.prefix_stats.hits > 0
     assert_all_blocks_free(llm)
 
 
 def test_two_requests_with_the_same_new_prefix_in_one_step(prompts, reference):
     llm = LLM(**EXACT, num_kv_blocks=256)
     assert generate(llm, [prompts[0], prompts[0], prompts[1]]) == [reference[0], reference[0], reference[1]]
-    assert llm.engine.scheduler.stats.max_batch_requests == 3  # all three prefilled together
+    assert llm.llm_engine.scheduler.stats.max_batch_requests == 3  # all three prefilled together
     # Their duplicate blocks were not cached twice; a later request finds one copy.
-    hits_before = llm.engine.kv_cache.prefix_stats.hits
+    hits_before = llm.llm_engine.kv_cache.prefix_stats.hits
     assert generate(llm, [prompts[0]]) == [reference[0]]
-    assert llm.engine.kv_cache.prefix_stats.hits > hits_before
+    assert llm.llm_engine.kv_cache.prefix_stats.hits > hits_before
     assert_all_blocks_free(llm)
 
 
@@ -112,7 +112,7 @@ def test_two_requests_with_the_same_new_prefix_in_one_step(prompts, reference):
 def test_n_sequences_share_the_prompt_blocks(prompts, prefix_caching):
     llm = LLM(**EXACT, num_kv_blocks=256, enable_prefix_caching=prefix_caching)
     params = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=8, ignore_eos=True)
-    stats = llm.engine.scheduler.stats
+    stats = llm.llm_engine.scheduler.stats
     (together,) = llm.generate(prompt_token_ids=[prompts[2]], sampling_params=params, use_tqdm=False)
     # One prompt computation, plus the last prompt token again for each of the two others.
     assert stats.num_scheduled_tokens == len(prompts[2]) + 2 + 3 * 7

@@ -7,10 +7,15 @@ request, as the model runner would with a sampled token.
 import pytest
 
 from roseinfer.common.messages import ModelRunnerOutput
-from roseinfer.core.kv_cache_manager import KVCacheManager
+from roseinfer.core.kv_cache import KVCacheCoordinator, KVCacheManager
 from roseinfer.core.request import Request, RequestStatus
 from roseinfer.core.scheduler import Scheduler
 from roseinfer.sampling_params import SamplingParams
+
+
+def coordinator(num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> KVCacheCoordinator:
+    """One full-attention group, as a Llama-like model has."""
+    return KVCacheCoordinator([KVCacheManager(num_blocks, block_size, enable_prefix_caching)])
 
 
 def make_request(request_id: int, prompt_len: int, max_tokens: int = 100) -> Request:
@@ -27,7 +32,7 @@ def run_step(scheduler: Scheduler) -> dict[int, int]:
 
 
 def test_long_prompt_is_prefilled_in_chunks_that_share_steps_with_decodes():
-    scheduler = Scheduler(KVCacheManager(64, 16), max_num_seqs=8, max_num_batched_tokens=32)
+    scheduler = Scheduler(coordinator(64, 16), max_num_seqs=8, max_num_batched_tokens=32)
     short, long = make_request(0, 5), make_request(1, 100)
     scheduler.add_request(short)
     scheduler.add_request(long)
@@ -40,7 +45,7 @@ def test_long_prompt_is_prefilled_in_chunks_that_share_steps_with_decodes():
 
 
 def test_max_num_seqs_limits_the_running_batch():
-    scheduler = Scheduler(KVCacheManager(64, 16), max_num_seqs=2, max_num_batched_tokens=512)
+    scheduler = Scheduler(coordinator(64, 16), max_num_seqs=2, max_num_batched_tokens=512)
     for i in range(3):
         scheduler.add_request(make_request(i, 4))
     assert set(run_step(scheduler)) == {0, 1}
@@ -51,7 +56,7 @@ def test_max_num_seqs_limits_the_running_batch():
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_newest_request_is_preempted_and_recomputed(prefix_caching):
-    kv = KVCacheManager(num_blocks=3, block_size=4, enable_prefix_caching=prefix_caching)
+    kv = coordinator(num_blocks=3, block_size=4, enable_prefix_caching=prefix_caching)
     scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
     old, new = make_request(0, 4), make_request(1, 4)
     scheduler.add_request(old)
@@ -61,7 +66,7 @@ def test_newest_request_is_preempted_and_recomputed(prefix_caching):
     assert new.status == RequestStatus.WAITING and new.num_preemptions == 1
     assert new.num_computed_tokens == 0 and new.num_output_tokens == 1  # its sample is kept
     assert scheduler.stats.num_preemptions == 1
-    assert kv.block_table(1) == []
+    assert kv.block_table(1) == [[]]
     scheduler.finish_requests([old.request_id], RequestStatus.FINISHED_STOPPED)
     if prefix_caching:  # its first block is still cached: only the token after it is computed
         assert run_step(scheduler) == {1: 1}
@@ -71,7 +76,7 @@ def test_newest_request_is_preempted_and_recomputed(prefix_caching):
 
 
 def test_a_request_that_cannot_ever_fit_is_reported_stuck():
-    scheduler = Scheduler(KVCacheManager(num_blocks=1, block_size=4), max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler = Scheduler(coordinator(num_blocks=1, block_size=4), max_num_seqs=4, max_num_batched_tokens=64)
     scheduler.add_request(make_request(0, 9))
     assert scheduler.schedule().empty
     assert scheduler.stuck_request().request_id == 0

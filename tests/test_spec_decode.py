@@ -55,7 +55,7 @@ def test_greedy_is_token_identical_with_speculation(prompts, reference, kv_block
     assert greedy_tokens(llm, prompts) == reference
     one_by_one = [greedy_tokens(llm, [p])[0] for p in prompts[-2:]]  # alone: a batch under the size limit
     assert one_by_one == reference[-2:]
-    engine = llm.engine
+    engine = llm.llm_engine
     scheduler_stats = engine.scheduler.stats
     assert scheduler_stats.num_accepted_tokens > 0, "the quoted prompts were meant to give accepted drafts"
     assert scheduler_stats.num_draft_tokens > scheduler_stats.num_accepted_tokens
@@ -72,7 +72,7 @@ def test_sampling_with_speculation_runs_and_frees(prompts):
     again = llm.generate(prompt_token_ids=prompts[-2:], sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]  # seeded
     assert all(len(o.outputs[0].token_ids) > 0 for o in first)
-    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+    assert llm.llm_engine.kv_cache.num_free_blocks == llm.llm_engine.kv_cache.num_blocks
 
 
 def test_acceptance_rule_gives_the_target_distribution(default_llm, hf_default_model, chat_prompt_ids):

@@ -132,8 +132,9 @@ class NewRequestData:
     output_token_ids: list[int]  # tokens generated before (a fork's parent has none yet)
     sampling_params: SamplingParams | None  # None for a pooling request
     eos_token_ids: list[int]
-    # Its block table; a model with several KV cache groups (common/kv_cache_spec.py): one per group.
-    block_ids: list[int] | list[list[int]]
+    # Its block table: one list per KV cache group (common/kv_cache_spec.py), a recurrent group's
+    # holding the request's state slot.
+    block_ids: list[list[int]]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None  # a pooling request: pool its prompt, sample nothing
     images: list[ImageInput] = field(default_factory=list)  # its prompt's images, in order
@@ -145,7 +146,7 @@ class CachedRequestData:
 
     req_id: str
     new_token_ids: list[int]  # tokens the scheduler appended since the runner last saw it
-    block_ids: list[int] | list[list[int]] | None  # the whole block table(s) when changed, else None
+    block_ids: list[list[int]] | None  # the whole block tables (one per group) when changed, else None
     num_computed_tokens: int
 
 

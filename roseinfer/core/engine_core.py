@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from roseinfer.common.kv_cache_spec import kv_group_windows
+from roseinfer.common.kv_cache_spec import group_pool_sizes, model_kv_cache_groups
 from roseinfer.common.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -25,7 +25,7 @@ from roseinfer.common.messages import (
     SchedulerOutput,
 )
 from roseinfer.config import EngineConfig, ModelConfig
-from roseinfer.core.kv_cache_manager import HybridKVCacheManager, KVCacheManager
+from roseinfer.core.kv_cache import KVCacheCoordinator
 from roseinfer.core.request import Request, RequestStatus
 from roseinfer.core.scheduler import Scheduler
 from roseinfer.core.structured_output_manager import StructuredOutputManager
@@ -36,20 +36,13 @@ from roseinfer.step_timings import PhaseClock, StepTimings
 logger = logging.getLogger("roseinfer")
 
 
-def kv_cache_manager(config: EngineConfig, model_config: ModelConfig) -> KVCacheManager | HybridKVCacheManager:
-    """One manager over one pool where the model's layers are all one kind; else one per KV cache
-    group (common/kv_cache_spec.py): the full-attention layers' pool and each window's."""
-    windows = kv_group_windows(model_config.layer_windows)
-    if len(windows) == 1:
-        return KVCacheManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.max_num_seqs,
-            model_config.attention_span,
-        )
-    return HybridKVCacheManager([
-        KVCacheManager(config.num_kv_blocks_sliding if window else config.num_kv_blocks, config.block_size,
-                       config.enable_prefix_caching, config.max_num_seqs, window, group)
-        for group, window in enumerate(windows)
-    ])
+def kv_cache_coordinator(config: EngineConfig, model_config: ModelConfig) -> KVCacheCoordinator:
+    """The KV coordinator over one manager per KV cache group (common/kv_cache_spec.py), each with
+    the pool the plan sized (core/kv_pool_plan.py)."""
+    specs = model_kv_cache_groups(model_config)
+    sizes = group_pool_sizes(specs, config.num_kv_blocks, config.num_kv_blocks_sliding, config.max_num_seqs)
+    return KVCacheCoordinator.from_specs(specs, sizes, config.block_size, config.enable_prefix_caching,
+                                         config.max_num_seqs)
 
 
 class EngineCore:
@@ -58,11 +51,11 @@ class EngineCore:
         self.timings = StepTimings()
         started = time.perf_counter()
         self.executor = executor or executor_class(config)(config, model_config, self.timings)
-        self.kv_cache = kv_cache_manager(config, model_config)
+        self.kv_cache = kv_cache_coordinator(config, model_config)
         self.structured_output_manager = StructuredOutputManager(config, model_config)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.structured_output_manager,
-            config.speculative_config, fork_prompts=model_config.recurrent is None,
+            config.speculative_config, fork_prompts=self.kv_cache.shares_prompts,
         )
         self.long_rope_from = model_config.long_rope_from
         # Whether a failed step may run again in parts to find the request that fails it: not for a

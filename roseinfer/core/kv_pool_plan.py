@@ -8,11 +8,7 @@ import logging
 
 import torch
 
-from roseinfer.common.kv_cache_spec import (
-    kv_group_windows,
-    layer_kv_groups,
-    sliding_blocks_per_sequence,
-)
+from roseinfer.common.kv_cache_spec import model_kv_cache_groups, sliding_blocks_per_sequence
 from roseinfer.config import GIB, EngineConfig, ModelConfig
 from roseinfer.distributed.partition import check_tensor_parallel
 from roseinfer.errors import InvalidRequestError
@@ -55,25 +51,24 @@ def plan_engine(config: EngineConfig, model_config: ModelConfig) -> None:
         )
     length = config.max_model_len or context
     # What one sequence holds at most: all of it, or with a sliding window on every layer its
-    # span plus one step's tokens (older blocks are released, see core/kv_cache_manager).
+    # span plus one step's tokens (older blocks are released, see core/kv_cache/).
     held = length
     if model_config.attention_span is not None:
         held = min(length, model_config.attention_span + config.max_num_batched_tokens + config.block_size)
-    windows = kv_group_windows(model_config.layer_windows)
-    groups = layer_kv_groups(model_config.layer_windows)
+    specs = model_kv_cache_groups(model_config)
+    paged = [spec for spec in specs if spec.paged]
+    windows = [spec.window for spec in paged]
     if len(windows) == 1 and config.num_kv_blocks_sliding is not None:
         raise InvalidRequestError(
             "num_kv_blocks_sliding applies to a model with both full-attention and sliding-window layers; "
             f"{model_config.architecture}'s layers are all one kind (use num_kv_blocks)", "num_kv_blocks_sliding",
         )
-    # (a hybrid model's recurrent layers keep no KV blocks: their state is a slot per sequence)
-    recurrent_layers = len(model_config.recurrent.layers) if model_config.recurrent is not None else 0
     full_block = model_config.kv_block_bytes(config.block_size, kv_dtype, config.tensor_parallel_size,
-                                             groups.count(0) - recurrent_layers)
+                                             len(paged[0].layers))
     sliding_block = model_config.kv_block_bytes(config.block_size, kv_dtype, config.tensor_parallel_size,
-                                                len(groups) - groups.count(0))
+                                                sum(len(spec.layers) for spec in paged[1:]))
     usable = config.max_num_seqs * -(-held // config.block_size)
-    # A sequence holds at most this many blocks in a sliding group (see kv_cache_groups.py).
+    # A sequence holds at most this many blocks in a sliding group (see common/kv_cache_spec.py).
     sliding_usable = 0
     if len(windows) > 1:
         per_sequence = min(-(-length // config.block_size), sliding_blocks_per_sequence(

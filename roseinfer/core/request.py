@@ -93,7 +93,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens the prefix cache held at first scheduling
         self.first_scheduled_time: float | None = None
         self.num_synced_tokens = 0  # token_ids[:n] are known to the runner
-        self.synced_block_ids: list[int] | None = None  # None: the runner does not know it
+        self.synced_block_ids: list[list[int]] | None = None  # None: the runner does not know it
         # Structured outputs (core/structured_output_manager.py): the grammar while it compiles,
         # then this request's place in it, or why it could not compile.
         self.grammar_future: Future | None = None

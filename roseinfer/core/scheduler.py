@@ -29,7 +29,7 @@ from roseinfer.common.messages import (
     SchedulerStats,
 )
 from roseinfer.config import SpeculativeConfig
-from roseinfer.core.kv_cache_manager import HybridKVCacheManager, KVCacheManager
+from roseinfer.core.kv_cache import KVCacheCoordinator
 from roseinfer.core.request import Request, RequestStatus
 from roseinfer.core.spec_decode import NgramProposer
 from roseinfer.core.structured_output_manager import StructuredOutputManager
@@ -39,7 +39,7 @@ from roseinfer.outputs import TokenLogprob
 class Scheduler:
     def __init__(
         self,
-        kv_cache: KVCacheManager | HybridKVCacheManager,
+        kv_cache: KVCacheCoordinator,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         structured_output_manager: StructuredOutputManager | None = None,
@@ -257,7 +257,7 @@ class Scheduler:
             request.synced_block_ids = list(table)
             out.num_scheduled_tokens[request.request_id] = num_new
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
-        # A hybrid manager's copies name their KV cache group (its pool); group 0's need not.
+        # Copies name their KV cache group (its pool) where it is not group 0.
         out.blocks_to_copy = [(c.src, c.dst, c.group) if c.group else (c.src, c.dst)
                               for c in self.kv_cache.take_pending_copies()]
         if self.structured_output is not None:
@@ -271,7 +271,7 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _new_request_data(request: Request, table: list[int]) -> NewRequestData:
+    def _new_request_data(request: Request, table: list[list[int]]) -> NewRequestData:
         return NewRequestData(
             req_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from roseinfer.common.messages import EngineCoreOutputs, SchedulerStats
@@ -130,27 +130,39 @@ class RequestOutputStream:
 class AsyncLLM(EngineFrontEnd):
     def __init__(
         self,
-        config: EngineConfig,
+        config: EngineConfig | None,
         *,
         engine_core: str = "thread",
         max_queue_len: int | None = None,
         request_timeout: float | None = None,
         stat_loggers: Sequence[StatLogger] = (),
+        make_engine_core: Callable[[], EngineCore] | None = None,
     ) -> None:
+        """`make_engine_core` (thread mode only; `config` None): an engine core built by the
+        caller's factory in the engine thread (the seed's SchedulerManager runs its engine so),
+        whose configuration this front end then takes."""
         if engine_core not in ENGINE_CORE_MODES:
             raise ValueError(f"engine_core must be one of {ENGINE_CORE_MODES}, got {engine_core!r}")
+        if (make_engine_core is None) == (config is None) or (make_engine_core and engine_core != "thread"):
+            raise ValueError("give AsyncLLM a config, or (in thread mode) a factory of its engine core")
         started = time.perf_counter()
+        self._streams: dict[str, RequestOutputStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dead_reason: str | None = None
+        self.core: EngineCoreClient
+        if make_engine_core is not None:
+            self.core = ThreadedEngineCoreClient(make_engine_core, self._deliver, self._engine_died)
+            config = self.core.engine_core.config
         super().__init__(config)
         self.max_queue_len = max_queue_len
         self.stat_loggers = list(stat_loggers)
         self.scheduler_stats = SchedulerStats()  # the latest snapshot from the engine core
-        self._streams: dict[str, RequestOutputStream] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.dead_reason: str | None = None
         self.request_timeout = request_timeout  # seconds from arrival to the last output
         self.refusing: str | None = None  # why new requests are refused (shutting down), or None
-        if engine_core == "process":
-            self.core: EngineCoreClient = ProcessEngineCoreClient(
+        if make_engine_core is not None:
+            pass  # started above, before the front end needed its configuration
+        elif engine_core == "process":
+            self.core = ProcessEngineCoreClient(
                 config, self.model_config, self._deliver, self._engine_died
             )
         else:

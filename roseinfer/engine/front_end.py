@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from roseinfer.common.kv_cache_spec import kv_group_windows, layer_kv_groups
+from roseinfer.common.kv_cache_spec import group_pool_sizes, model_kv_cache_groups
 from roseinfer.common.messages import EngineCoreRequest
 from roseinfer.config import EngineConfig
 from roseinfer.core.kv_pool_plan import plan_engine
@@ -58,16 +58,17 @@ class EngineFrontEnd:
     def log_ready(self, seconds: float) -> None:
         config, model = self.config, self.model_config
         dtype = "q8_0" if config.kv_cache_dtype == "q8_0" else str(config.kv_cache_torch_dtype).removeprefix("torch.")
-        # One pool per KV cache group (common/kv_cache_spec.py): all layers, or a model's full and sliding layers.
-        groups = layer_kv_groups(model.layer_windows)
+        # One pool per KV cache group (common/kv_cache_spec.py): all layers, or a model's full and
+        # sliding layers; a recurrent group's state slots are logged by the pool plan.
+        specs = [spec for spec in model_kv_cache_groups(model) if spec.paged]
+        sizes = group_pool_sizes(specs, config.num_kv_blocks, config.num_kv_blocks_sliding, config.max_num_seqs)
         pools = []
-        for group, window in enumerate(kv_group_windows(model.layer_windows)):
-            blocks = config.num_kv_blocks if group == 0 else config.num_kv_blocks_sliding
+        for spec, blocks in zip(specs, sizes, strict=True):
             kv_bytes = blocks * model.kv_block_bytes(config.block_size, config.kv_cache_torch_dtype,
-                                                     num_layers=groups.count(group))
-            kind = "" if len(groups) == groups.count(0) else (
-                f" for {groups.count(group)} full-attention layers" if window is None
-                else f" for {groups.count(group)} layers with window {window}")
+                                                     num_layers=len(spec.layers))
+            kind = "" if len(spec.layers) == model.num_layers else (
+                f" for {len(spec.layers)} full-attention layers" if spec.window is None
+                else f" for {len(spec.layers)} layers with window {spec.window}")
             pools.append(f"{blocks} blocks of {config.block_size} tokens{kind} ({kv_bytes / 1024**3:.2f} GiB, {dtype})")
         logger.info(
             "loaded %s (%s, %d layers) on %s/%s, quantization %s, in %.1fs; KV cache: %s, max_model_len %d",

@@ -12,7 +12,6 @@ from tqdm.auto import tqdm
 
 from roseinfer.engine.input_processor import ChatPrompt
 from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.engine.seed_api import InferenceEngine
 from roseinfer.errors import InvalidRequestError
 from roseinfer.outputs import PoolingRequestOutput, RequestOutput
 from roseinfer.pooling_params import PoolingParams
@@ -24,10 +23,9 @@ Conversation = list[dict[str, Any]]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        # The engine under every call; its parts (scheduler, KV cache, model runner) are its views.
+        # (The seed's `LLM.engine` is attached from above, by roseinfer/seed_api.py.)
         self.llm_engine = LLMEngine.from_engine_args(model, **engine_args)
-        # The seed's engine API over the same engine (its `generate`, `stream_generate`, and the
-        # views that tests and tools use: scheduler, kv_cache, runner).
-        self.engine = InferenceEngine(llm_engine=self.llm_engine)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from roseinfer.config import EngineConfig
 from roseinfer.core.engine_core import EngineCore
@@ -19,6 +19,11 @@ from roseinfer.pooling_params import PoolingParams
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.step_timings import PhaseClock
 
+if TYPE_CHECKING:
+    from roseinfer.core.kv_cache import KVCacheCoordinator
+    from roseinfer.core.scheduler import Scheduler
+    from roseinfer.worker.model_runner import ModelRunner
+
 
 class LLMEngine(EngineFrontEnd):
     def __init__(self, config: EngineConfig) -> None:
@@ -28,13 +33,27 @@ class LLMEngine(EngineFrontEnd):
         self.timings = self.engine_core.timings
         self._request_counter = itertools.count()
         # Fed after every step with the engine core's stats snapshot and the step's figures;
-        # append one to watch an engine built elsewhere (the seed's SchedulerManager logs so).
+        # append one to watch an engine built elsewhere.
         self.stat_loggers: list[StatLogger] = []
         self.log_ready(time.perf_counter() - started)
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(model=model, **engine_args))
+
+    # -- views of the engine core's parts (in this process), for tests, tools and debugging ----
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.engine_core.scheduler
+
+    @property
+    def kv_cache(self) -> KVCacheCoordinator:
+        return self.engine_core.kv_cache
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The in-process executor's runner (under tensor parallelism, rank 0's)."""
+        return self.engine_core.executor.model_runner
 
     # -- requests -------------------------------------------------------------------------
     def new_request_id(self) -> str:

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from roseinfer.worker.request_state import CachedRequestState
+from roseinfer.worker.sampler import Sampler
+from roseinfer.worker.sampling_inputs import SamplingInputs
+
 
 def verify_drafts(
     drafts: list[int],
@@ -38,3 +42,24 @@ def verify_drafts(
     if probs is None:
         return accepted + [int(greedy_tokens[-1])]
     return accepted + [int(torch.multinomial(probs[-1], 1, generator=generator))]
+
+
+def verify_requests(
+    logits: torch.Tensor, entries: list[tuple[CachedRequestState, list[int], int]], sampler: Sampler,
+    inputs: SamplingInputs,
+) -> dict[str, list[int]]:
+    """Each request's accepted drafts and one more token; `entries`: (request, its drafts, its
+    first row of `logits`), a row per draft and one after."""
+    rows = [r for _, drafts, start in entries for r in range(start, start + len(drafts) + 1)]
+    expanded = [state for state, drafts, _ in entries for _ in range(len(drafts) + 1)]
+    greedy, probs = sampler.probabilities(logits[rows], inputs.batch(expanded))
+    tokens, offset = {}, 0
+    for state, drafts, _ in entries:
+        span = slice(offset, offset + len(drafts) + 1)
+        params = state.sampling_params
+        generator = inputs.generator(state) if params.seed is not None and not params.greedy else None
+        tokens[state.req_id] = verify_drafts(
+            drafts, greedy[span], None if params.greedy else probs[span], generator
+        )
+        offset += len(drafts) + 1
+    return tokens

@@ -95,9 +95,11 @@ class Worker:
 
     def cache_state(self) -> dict[str, int]:
         """What this rank holds: the requests its runner knows, its pool's blocks and KV heads."""
-        pool = self.runner.kv_caches[0]
-        return {"requests": len(self.runner.requests), "num_blocks": sum(self.runner.group_num_blocks),
-                "kv_heads": pool.shape[3]}
+        runner = self.runner
+        pool = next(cache for cache, group in zip(runner.kv_caches, runner.layer_groups, strict=True)
+                    if group in runner.paged_groups)  # a KV pool (not a recurrent layer's state)
+        blocks = sum(runner.group_num_blocks[group] for group in runner.paged_groups)
+        return {"requests": len(runner.requests), "num_blocks": blocks, "kv_heads": pool.shape[3]}
 
 
 def run_worker(spec: WorkerSpec) -> None:

@@ -1,12 +1,13 @@
-"""The seed project's names, kept working with their signatures as thin adapters over the public
-`LLMEngine` API:
+"""The seed project's names, kept working with their signatures as thin adapters on top of the
+public `LLM` / `LLMEngine` API (which know nothing of them):
 
     InferenceEngine    the seed's engine: `generate`, `stream_generate`, `add_request`, `step`,
-                       over an `LLMEngine` (also `LLM.engine`), with read-only views of its parts
+                       over an `LLMEngine`, with read-only views of its parts; `LLM.engine` is one,
+                       attached to `LLM` here (see install_llm_view)
     InferenceSession   a request's state in the engine core (`roseinfer.core.request.Request`)
     OfflineScheduler   the seed's batch API: `add_request`, `step`, `has_unfinished`, `run`
     OnlineScheduler    an engine fed from other threads while one thread steps it
-    SchedulerManager   the seed's event-loop bridge: an OnlineScheduler stepped in a thread of its own
+    SchedulerManager   the seed's event-loop bridge: AsyncLLM's, over an engine the seed builds
 
 The seed's sampling arguments (`max_new_tokens`, `temperature`, `top_k`, `top_p`, `stop_on_eos`,
 `do_sample`, `seed`) become a `SamplingParams` in one place, `SamplingParams.from_seed_args`; the
@@ -16,25 +17,22 @@ are `OutputDelta`s.
 
 from __future__ import annotations
 
-import asyncio
-import logging
+import itertools
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from roseinfer.common.messages import SchedulerStats
 from roseinfer.config import EngineConfig
 from roseinfer.core.request import Request
+from roseinfer.engine.async_llm import AsyncLLM, RequestOutputStream
 from roseinfer.engine.input_processor import ProcessedRequest, PromptType
+from roseinfer.engine.llm import LLM
 from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.engine.stats import IterationStats, LoggingStatLogger
-from roseinfer.errors import EngineDeadError, EngineOverloadedError
+from roseinfer.engine.stats import LoggingStatLogger
 from roseinfer.outputs import RequestOutput, TokenLogprob
 from roseinfer.sampling_params import RequestOutputKind, SamplingParams
-
-logger = logging.getLogger("roseinfer")
 
 InferenceSession = Request
 
@@ -104,40 +102,45 @@ class InferenceEngine:
 
     @property
     def scheduler(self):
-        return self.engine_core.scheduler
+        return self.llm_engine.scheduler
 
     @property
     def kv_cache(self):
-        return self.engine_core.kv_cache
+        return self.llm_engine.kv_cache
 
     @property
     def runner(self):
-        return self.engine_core.executor.model_runner
+        return self.llm_engine.model_runner
 
     @property
     def model(self):
-        return self.runner.model
+        return self.llm_engine.model_runner.model
 
     @property
     def timings(self):
         return self.llm_engine.timings
 
     # -- requests -------------------------------------------------------------------------
-    def add_request(
+    def process(
         self,
         prompt: PromptType | None = None,
         sampling_params: SamplingParams | None = None,
         *,
         prompt_token_ids: Sequence[int] | None = None,
         add_special_tokens: bool = True,
-    ) -> int:
-        """Queue a request (text, token ids or a ChatPrompt); returns its id. `step` gives its deltas."""
-        request_id = self.llm_engine.new_request_id()
-        self.llm_engine.add_request(
-            request_id, prompt_token_ids if prompt_token_ids is not None else prompt,
+    ) -> ProcessedRequest:
+        """Check and tokenize a request under a fresh id (raises InvalidRequestError); nothing is queued."""
+        return self.llm_engine.input_processor.process(
+            self.llm_engine.new_request_id(), prompt_token_ids if prompt_token_ids is not None else prompt,
             _delta_params(sampling_params), add_special_tokens=add_special_tokens,
         )
-        return int(request_id)
+
+    def add_request(self, *args: Any, **kwargs: Any) -> int:
+        """Queue a request (text, token ids or a ChatPrompt; `process`'s arguments); returns its id.
+        `step` gives its deltas."""
+        processed = self.process(*args, **kwargs)
+        self.llm_engine.add_processed_request(processed)
+        return int(processed.request_id)
 
     def abort_request(self, request_id: int) -> None:
         self.llm_engine.abort_request(str(request_id))
@@ -241,26 +244,15 @@ class OnlineScheduler:
         self._aborts: set[int] = set()
         self._live: set[int] = set()  # accepted and not finished
 
-    def add_request(
-        self,
-        prompt: PromptType | None = None,
-        sampling_params: SamplingParams | None = None,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        add_special_tokens: bool = True,
-    ) -> int:
-        """Check and queue a request; returns its id (raises InvalidRequestError on bad input)."""
-        llm_engine = self.engine.llm_engine
-        request_id = llm_engine.new_request_id()
-        processed = llm_engine.input_processor.process(
-            request_id, prompt_token_ids if prompt_token_ids is not None else prompt,
-            _delta_params(sampling_params), add_special_tokens=add_special_tokens,
-        )
+    def add_request(self, *args: Any, **kwargs: Any) -> int:
+        """Check and queue a request (InferenceEngine.process's arguments); returns its id (raises
+        InvalidRequestError on bad input)."""
+        processed = self.engine.process(*args, **kwargs)
         with self._work:
             self._inbox.append(processed)
-            self._live.add(int(request_id))
+            self._live.add(int(processed.request_id))
             self._work.notify()
-        return int(request_id)
+        return int(processed.request_id)
 
     def abort(self, request_id: int) -> None:
         """End a request at the next step and free its blocks; unknown ids are ignored."""
@@ -304,25 +296,13 @@ class OnlineScheduler:
         return _deltas(outputs)
 
 
-class _LatestSchedulerStats:
-    """A stat logger that keeps the engine core's newest snapshot (running and waiting counts)."""
-
-    def __init__(self) -> None:
-        self.snapshot = SchedulerStats()
-
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None:
-        if scheduler_stats is not None:
-            self.snapshot = scheduler_stats
-
-
 class SchedulerManager:
-    """The seed's bridge between an event loop and an engine thread: an OnlineScheduler stepped in
-    a thread of its own, each request's deltas handed to the event loop. `engine` is an
-    InferenceEngine, or a factory of one that runs in that thread (PyTorch's thread pools belong
-    to the thread that loads the model). `add` queues token ids (from the event loop); `stream`
-    yields the request's OutputDeltas; leaving it early aborts the request. `max_queue_len` bounds
-    the sequences waiting (EngineOverloadedError beyond it); a throughput line is logged every
-    `stats_interval` seconds. (The server's AsyncLLM is the same bridge over a bare engine core.)"""
+    """The seed's bridge between an event loop and an engine thread, over AsyncLLM's (the one
+    bridge): `engine` is an InferenceEngine, or a factory of one that runs in the engine thread
+    (PyTorch's thread pools belong to the thread that loads the model). `add` queues token ids
+    (from the event loop); `stream` yields the request's OutputDeltas; leaving it early aborts the
+    request. `max_queue_len` bounds the sequences waiting (EngineOverloadedError beyond it); a
+    throughput line is logged every `stats_interval` seconds."""
 
     def __init__(
         self,
@@ -331,75 +311,25 @@ class SchedulerManager:
         stats_interval: float = 10.0,
     ) -> None:
         factory = engine if callable(engine) and not isinstance(engine, InferenceEngine) else (lambda: engine)
-        self.max_queue_len = max_queue_len
-        self.dead_reason: str | None = None
-        self._latest_stats = _LatestSchedulerStats()
-        self._stat_loggers = [self._latest_stats, LoggingStatLogger(stats_interval)]
-        self._streams: dict[int, asyncio.Queue[OutputDelta | BaseException | None]] = {}
-        self._sequences: dict[int, int] = {}  # unfinished request -> its sequences (n)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopping = False
-        self._ready = threading.Event()
-        self._load_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(factory,), name="roseinfer-seed-engine", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._load_error is not None:
-            raise self._load_error
+        self.async_llm = AsyncLLM(
+            None, max_queue_len=max_queue_len, stat_loggers=[LoggingStatLogger(stats_interval)],
+            make_engine_core=lambda: factory().engine_core,
+        )
+        self._request_ids = itertools.count()
+        self._streams: dict[int, RequestOutputStream] = {}
 
-    # -- the engine thread ------------------------------------------------------------------
-    def _run(self, factory: Callable[[], InferenceEngine]) -> None:
-        try:
-            engine = factory()
-            engine.llm_engine.stat_loggers.extend(self._stat_loggers)
-            self.online = OnlineScheduler(engine)
-        except BaseException as exc:  # raised by __init__ in the caller's thread
-            self._load_error = exc
-            return
-        finally:
-            self._ready.set()
-        try:
-            while not self._stopping:
-                if self.online.wait_for_work(timeout=0.2):
-                    deltas = self.online.step()
-                    ended = {d.request_id for d in deltas if self.online.is_finished(d.request_id)}
-                    self._to_loop(self._dispatch, deltas, ended)
-        except Exception as exc:
-            logger.exception("the seed engine thread stopped")
-            self.dead_reason = f"the engine thread stopped: {type(exc).__name__}: {exc}"
-            self._to_loop(self._fail_all, self.dead_reason)
-        finally:
-            for stat_logger in self._stat_loggers:
-                engine.llm_engine.stat_loggers.remove(stat_logger)
-
-    def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(callback, *args)
-
-    # -- the event loop ---------------------------------------------------------------------
-    def _dispatch(self, deltas: list[OutputDelta], ended: set[int]) -> None:
-        for delta in deltas:
-            if (queue := self._streams.get(delta.request_id)) is not None:
-                queue.put_nowait(delta)
-        for request_id in ended:
-            self._sequences.pop(request_id, None)
-            if (queue := self._streams.get(request_id)) is not None:
-                queue.put_nowait(None)
-
-    def _fail_all(self, reason: str) -> None:
-        for queue in self._streams.values():
-            queue.put_nowait(EngineDeadError(f"the engine stopped: {reason}"))
-        self._sequences.clear()
+    @property
+    def dead_reason(self) -> str | None:
+        return self.async_llm.dead_reason
 
     @property
     def alive(self) -> bool:
-        return self.dead_reason is None and not self._stopping and self._thread.is_alive()
+        return self.async_llm.alive
 
     @property
     def num_waiting(self) -> int:
         """Sequences accepted here and not yet running."""
-        return max(sum(self._sequences.values()) - self._latest_stats.snapshot.num_running, 0)
+        return self.async_llm.num_waiting
 
     def start(self) -> None:
         """Kept for the seed's callers: the engine thread runs from the start, and `add` attaches
@@ -407,48 +337,48 @@ class SchedulerManager:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; streams still open end with EngineDeadError."""
-        self._stopping = True
-        self.online.wake()
-        self._thread.join(timeout)
-        self._to_loop(self._fail_all, "shut down")
+        self.async_llm.shutdown(timeout)
 
     def add(self, token_ids: Sequence[int], params: SamplingParams, prompt: str | None = None) -> int:
         """Queue a request from the event loop (raises InvalidRequestError, EngineOverloadedError,
         EngineDeadError); read its deltas with `stream`. `prompt`, the text of `token_ids` that
         the seed's callers passed along, is not needed: the ids are what runs."""
-        if not self.alive:
-            raise EngineDeadError(f"the engine is not running ({self.dead_reason or 'stopped'})")
-        self._loop = asyncio.get_running_loop()
-        wanted = (params or SamplingParams()).n
-        if self.max_queue_len is not None and self.num_waiting + wanted > self.max_queue_len:
-            raise EngineOverloadedError(
-                f"the server is overloaded: {self.num_waiting} requests are waiting "
-                f"(limit {self.max_queue_len}); retry later"
-            )
-        request_id = self.online.add_request(prompt_token_ids=list(token_ids), sampling_params=params)
-        # Registered before the engine thread's first delta for it can reach this loop.
-        self._streams[request_id] = asyncio.Queue()
-        self._sequences[request_id] = wanted
+        request_id = next(self._request_ids)
+        processed = self.async_llm.input_processor.process(str(request_id), list(token_ids), _delta_params(params))
+        self._streams[request_id] = self.async_llm.add_processed_requests([processed])
         return request_id
 
     async def stream(self, request_id: int) -> AsyncIterator[OutputDelta]:
         """The request's deltas until its last one; leaving early aborts the request."""
-        queue = self._streams[request_id]
+        stream = self._streams[request_id]
         try:
-            while (item := await queue.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+            async for output in stream:
+                for delta in _deltas([output]):
+                    yield delta
         finally:
             self._streams.pop(request_id, None)
-            self.abort(request_id)
+            stream.close()
 
     def abort(self, request_id: int) -> None:
         """End a request (its stream ends after a last delta with finish_reason "abort");
         unknown or finished ids are ignored."""
-        if self._sequences.pop(request_id, None) is None:
-            return
-        self.online.abort(request_id)
-        if (queue := self._streams.get(request_id)) is not None:
-            queue.put_nowait(OutputDelta(request_id, 0, [], "", True, "abort"))
-            queue.put_nowait(None)
+        self.async_llm.abort_request(str(request_id))
+
+
+def install_llm_view() -> None:
+    """`LLM.engine`: the seed's InferenceEngine over the LLM's engine (made on first use), which the
+    seed's callers and tests reach. Attached from here, above `LLM`, so that LLM imports nothing of
+    the seed; the package's face (roseinfer/__init__.py) runs this whenever it hands out `LLM`."""
+    if "engine" in vars(LLM):
+        return
+
+    def engine(llm: LLM) -> InferenceEngine:
+        view = llm.__dict__.get("_seed_engine")
+        if view is None:
+            view = llm.__dict__["_seed_engine"] = InferenceEngine(llm_engine=llm.llm_engine)
+        return view
+
+    LLM.engine = property(engine, doc=install_llm_view.__doc__)
+
+
+install_llm_view()
