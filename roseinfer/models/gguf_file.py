@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,25 +31,88 @@ from roseinfer.models.gguf_header import GGUFHeader, TensorInfo
 SUPPORTED_TENSOR_TYPES = frozenset((*DENSE_TYPES, *BLOCK_TYPES))
 
 
+# llama.cpp's gguf-split names its shards PREFIX-00001-of-00003.gguf (split.no counts from 0).
+_SHARD_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
+
+
+def split_shard_paths(path: Path) -> list[Path] | None:
+    """Every shard of the split file that `path` names by gguf-split's pattern (None: not a shard
+    name); the paths are not checked here."""
+    match = _SHARD_NAME.match(path.name)
+    if match is None:
+        return None
+    count = int(match["count"])
+    return [path.with_name(f"{match['prefix']}-{no:05d}-of-{count:05d}.gguf") for no in range(1, count + 1)]
+
+
+def _read_header(path: Path) -> GGUFHeader:
+    try:
+        return GGUFHeader.read(path)
+    except Exception as exc:  # a truncated, foreign or corrupt file
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
 class GGUFFile:
     """A GGUF file: its header parsed at once, its tensor data memory-mapped (nothing is read or
-    copied until asked)."""
+    copied until asked).
+
+    A file split by llama.cpp's gguf-split (`-00001-of-000NN.gguf`; the first shard holds the
+    metadata and `split.count`, every shard some of the tensors, each with offsets into its own
+    data section) is one GGUFFile: each shard is mapped on its own, so no byte is copied to join
+    them. `path` may name any shard; it is the first one after opening."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        try:
-            header = GGUFHeader.read(self.path)
-        except Exception as exc:  # a truncated, foreign or corrupt file
-            raise ModelLoadError(f"{self.path} is not a readable GGUF file: {exc}") from exc
-        self._tensors: dict[str, TensorInfo] = {t.name: t for t in header.tensors}
+        header = _read_header(self.path)
+        shards = [(self.path, header)]
+        if int(header.metadata.get("split.count", 1)) > 1 or int(header.metadata.get("split.no", 0)) > 0:
+            shards = self._open_shards(header)
+            self.path, header = shards[0]
+        # name -> (the shard's path, where the tensor lies in it)
+        self._tensors: dict[str, tuple[Path, TensorInfo]] = {}
+        for shard_path, shard in shards:
+            for info in shard.tensors:
+                if info.name in self._tensors:
+                    raise ModelLoadError(f"{shard_path}: tensor {info.name!r} is in two shards of the split file")
+                self._tensors[info.name] = (shard_path, info)
+        expected = header.metadata.get("split.tensors.count")
+        if len(shards) > 1 and expected is not None and int(expected) != len(self._tensors):
+            raise ModelLoadError(f"{self.path}: the split file's shards hold {len(self._tensors)} tensors, "
+                                 f"its split.tensors.count says {expected}")
         # Every key/value pair: strings as str, numbers as int/float, arrays as lists.
-        self.metadata: dict[str, Any] = header.metadata
-        self._map: np.memmap | None = None
+        self.metadata: dict[str, Any] = {k: v for k, v in header.metadata.items() if k not in SPLIT_KEYS}
+        self.shard_paths: list[Path] = [shard_path for shard_path, _ in shards]
+        self._maps: dict[Path, np.memmap] = {}
 
-    def _data(self, info: TensorInfo) -> np.ndarray:
-        """The tensor's bytes in the memory map: [rows, bytes of a row] (a vector: one row)."""
-        if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+    def _open_shards(self, header: GGUFHeader) -> list[tuple[Path, GGUFHeader]]:
+        """Every shard's header, in order, checked against the first's split.count."""
+        paths = split_shard_paths(self.path)
+        if paths is None:
+            raise ModelLoadError(f"{self.path} is one shard of a split GGUF file (split.count "
+                                 f"{header.metadata.get('split.count')}), but its name is not gguf-split's "
+                                 "PREFIX-00001-of-000NN.gguf, so its other shards cannot be found")
+        count = len(paths)
+        missing = [p.name for p in paths if not p.is_file()]
+        if missing:
+            raise ModelLoadError(f"{self.path}: the split file's shard(s) {', '.join(missing)} are missing "
+                                 f"(a split file of {count} shards loads only with all of them)")
+        shards = []
+        for no, shard_path in enumerate(paths):
+            shard = header if shard_path == self.path else _read_header(shard_path)
+            meta = shard.metadata
+            if int(meta.get("split.no", -1)) != no or int(meta.get("split.count", -1)) != count:
+                raise ModelLoadError(f"{shard_path}: split.no {meta.get('split.no')} / split.count "
+                                     f"{meta.get('split.count')} do not match its name (shard {no + 1} of {count})")
+            shards.append((shard_path, shard))
+        return shards
+
+    def _data(self, name: str) -> np.ndarray:
+        """The tensor's bytes in its shard's memory map: [rows, bytes of a row] (a vector: one row)."""
+        path, info = self._tensors[name]
+        mapped = self._maps.get(path)
+        if mapped is None:
+            mapped = self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
         qtype = GGMLQuantizationType(info.ggml_type)
         block_values, block_bytes = GGML_QUANT_SIZES[qtype]
         row_values = info.dims[0]
@@ -57,9 +121,9 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path}: tensor {info.name!r} has rows of {row_values} values, not whole "
                                  f"{qtype.name} blocks of {block_values}")
         row_bytes = row_values // block_values * block_bytes
-        if info.offset + rows * row_bytes > self._map.shape[0]:
-            raise ModelLoadError(f"{self.path}: tensor {info.name!r} runs past the end of the file (truncated?)")
-        return self._map[info.offset : info.offset + rows * row_bytes].reshape(rows, row_bytes)
+        if info.offset + rows * row_bytes > mapped.shape[0]:
+            raise ModelLoadError(f"{path}: tensor {info.name!r} runs past the end of the file (truncated?)")
+        return mapped[info.offset : info.offset + rows * row_bytes].reshape(rows, row_bytes)
 
     @property
     def architecture(self) -> str:
@@ -72,18 +136,18 @@ class GGUFFile:
         return name in self._tensors
 
     def tensor_type(self, name: str) -> GGMLQuantizationType:
-        return GGMLQuantizationType(self._tensors[name].ggml_type)
+        return GGMLQuantizationType(self._tensors[name][1].ggml_type)
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """The shape in PyTorch order (GGUF lists the fastest-moving dimension first)."""
-        return tuple(int(d) for d in reversed(self._tensors[name].dims))
+        return tuple(int(d) for d in reversed(self._tensors[name][1].dims))
 
     def tensor(self, name: str) -> torch.Tensor | BlockTensor:
         """The tensor as the file stores it, in PyTorch shape order: a dense one as a torch view of
         the memory map (read-only: copy it before writing), a block one as its rows of blocks."""
-        info = self._tensors.get(name)
-        if info is None:
+        if name not in self._tensors:
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
+        info = self._tensors[name][1]
         try:
             qtype = GGMLQuantizationType(info.ggml_type)
         except ValueError:
@@ -94,7 +158,7 @@ class GGUFFile:
                 f"which roseinfer cannot run (supported: {supported_type_names()})"
             )
         shape = self.tensor_shape(name)
-        data = self._data(info)
+        data = self._data(name)
         if qtype in DENSE_TYPES:
             dtype = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
                      GGMLQuantizationType.BF16: np.int16}[qtype]  # numpy has no bfloat16: its bits
@@ -113,7 +177,7 @@ class GGUFFile:
         if isinstance(tensor, BlockTensor):
             return self._expanded(tensor).reshape(self.tensor_shape(name))
         values = tensor.to(torch.float32, copy=True)
-        _release_mapped_pages(self._data(self._tensors[name]))
+        _release_mapped_pages(self._data(name))
         return values
 
     @staticmethod

@@ -1,7 +1,8 @@
 """Resolving `--model` to a file or directory on disk and loading model + tokenizer from it.
 
-Never downloads: a model is the default GGUF, a GGUF file, a Hugging Face directory, or the seed's
-checkpoint file with a tokenizer directory.
+A model is the default GGUF, a GGUF file (or the first shard of a split one), a Hugging Face
+directory, the seed's checkpoint file with a tokenizer directory, or a Hub reference that the model
+store resolves to one of those in its cache.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from roseinfer.config import EngineConfig, ModelConfig
 from roseinfer.errors import ModelLoadError
 from roseinfer.heap import trim_heap
 from roseinfer.models.default_model import DEFAULT_MODEL_NAME, default_model_path
-from roseinfer.models.gguf_file import GGUFFile
+from roseinfer.models.gguf_file import GGUFFile, split_shard_paths
 from roseinfer.models.gguf_loader import gguf_weights, model_config_from_gguf
 from roseinfer.models.hf_config import (
     VISION_ENCODER_PREFIXES,
     VISION_TEXT_PREFIX,
     model_config_from_hf,
 )
+from roseinfer.models.model_store import resolve_model
 from roseinfer.models.registry import build_model
 from roseinfer.models.seed_checkpoint import load_seed_checkpoint, seed_weights
 from roseinfer.tokenizer import Tokenizer
@@ -52,21 +54,16 @@ class ModelSource:
         if model is None:
             path, name = default_model_path(), DEFAULT_MODEL_NAME
         else:
-            path = Path(model).expanduser()
-            name = path.stem if path.is_file() else path.name
-            if not path.exists():
-                raise ModelLoadError(
-                    f"model {model!r} not found: pass a GGUF file, a local Hugging Face model directory "
-                    "(config.json + *.safetensors + tokenizer.json), or omit --model for the default "
-                    f"model; roseinfer never downloads from a model hub"
-                )
+            # A path on disk as it is; a Hub reference (user/repo[:QUANT]) from the cache, pulled
+            # the first time (models/model_store.py).
+            path, name = resolve_model(model)
         tokenizer_dir = Path(tokenizer).expanduser() if tokenizer else None
         if tokenizer_dir is not None and not tokenizer_dir.is_dir():
             raise ModelLoadError(f"tokenizer directory {tokenizer!r} not found")
         if path.is_dir():
             if (path / "config.json").is_file():
                 return cls("hf", path, tokenizer_dir, name)
-            ggufs = sorted(path.glob("*.gguf"))
+            ggufs = _model_ggufs(path)
             if len(ggufs) != 1:
                 raise ModelLoadError(
                     f"{path} is neither a Hugging Face model directory (no config.json) "
@@ -144,6 +141,20 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer
     name: str  # what /v1/models shows by default
+
+
+def _model_ggufs(directory: Path) -> list[Path]:
+    """The directory's GGUF models: a split file's shards count once (as its first shard), a
+    vision projector (mmproj*.gguf) is not a model."""
+    found = []
+    for path in sorted(directory.glob("*.gguf")):
+        if path.name.lower().startswith("mmproj"):
+            continue
+        shards = split_shard_paths(path)
+        if shards is not None and path != shards[0]:
+            continue
+        found.append(path)
+    return found
 
 
 def _is_gguf(path: Path) -> bool:
