@@ -83,8 +83,11 @@ class Idefics3PromptImages(PromptImageProcessor):
     content_as_parts = True
 
     def __init__(self, model_dir: Path, tokenizer: Tokenizer) -> None:
-        from transformers import AutoProcessor
-
+        try:
+            from transformers import AutoProcessor
+        except ImportError as exc:
+            raise ModelLoadError(f"{model_dir} is a vision-language model: its image processor is transformers', "
+                                 "which is not installed (pip install transformers)") from exc
         try:
             self.processor = AutoProcessor.from_pretrained(str(model_dir))
         except (OSError, ValueError) as exc:
