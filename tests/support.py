@@ -377,6 +377,24 @@ def module_of(gguf_name: str) -> str:
     return parts[2] if parts[0] == "blk" else parts[0]
 
 
+def _placed_as_transformers_renders(reference, template: str, messages: list[dict], add_generation_prompt: bool,
+                                    variables: dict) -> str | None:
+    """transformers' rendering of the first placement of a refused conversation it takes, in the
+    order ours tries them; None where it takes none."""
+    from roseinfer.chat_template import conformed_messages, normalize_messages
+
+    normalized = normalize_messages(messages)
+    for placed in (conformed_messages(normalized), conformed_messages(normalized, system_role=False)):
+        if placed == normalized:
+            continue
+        try:
+            return reference.apply_chat_template(placed, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt, **variables)
+        except Exception:  # noqa: BLE001 - the template refuses this placement too
+            continue
+    return None
+
+
 def assert_chat_renders_as_transformers(
     ours, reference, template: str, conversations: list[tuple[list[dict], dict]]
 ) -> int:
@@ -398,9 +416,18 @@ def assert_chat_renders_as_transformers(
                     **variables,
                 )
             except Exception as exc:  # jinja2's TemplateError or UndefinedError: the template refused
-                with pytest.raises(ValueError) as refused:
-                    ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **variables)
-                assert str(exc) in str(refused.value), (messages, add_generation_prompt)
+                # Ours then places the conversation as the template allows (chat_template.py's
+                # conformed_messages): what transformers renders for that placement, or, where
+                # the template refuses every placement, the same refusal.
+                placed = _placed_as_transformers_renders(reference, template, messages, add_generation_prompt,
+                                                         variables)
+                if placed is None:
+                    with pytest.raises(ValueError) as refused:
+                        ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **variables)
+                    assert str(exc) in str(refused.value), (messages, add_generation_prompt)
+                else:
+                    got = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **variables)
+                    assert got == placed, (messages, add_generation_prompt)
                 continue
             got = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **variables)
             assert got == expected, (messages, add_generation_prompt)

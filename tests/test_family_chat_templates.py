@@ -195,12 +195,22 @@ REFUSALS = [
 
 @pytest.mark.parametrize(("name", "messages", "message"), REFUSALS)
 def test_family_template_refuses_as_transformers(smollm_tokenizer, smollm_hf_tokenizer, name, messages, message):
-    """Where the template raises, both refuse, and ours says the template's own words."""
+    """Where the template raises on a conversation as sent, ours places it as the template allows
+    (an agent's system turn mid-conversation, two turns of one role) and renders what transformers
+    renders for that placement; where the template takes no placement, ours refuses in the
+    template's own words."""
+    from support import _placed_as_transformers_renders
+
     from roseinfer.tokenizer import Tokenizer
 
     template = chat_template(name)
     with pytest.raises(Exception, match="^" + re.escape(message) + "$"):
         smollm_hf_tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
-    ours = Tokenizer(smollm_tokenizer.backend, chat_template=template, eos_token=smollm_tokenizer.eos_token)
-    with pytest.raises(ValueError, match=re.escape(message)):
-        ours.apply_chat_template(messages)
+    ours = Tokenizer(smollm_tokenizer.backend, chat_template=template, bos_token=smollm_tokenizer.bos_token,
+                     eos_token=smollm_tokenizer.eos_token)
+    placed = _placed_as_transformers_renders(smollm_hf_tokenizer, template, messages, True, {})
+    if placed is None:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ours.apply_chat_template(messages)
+    else:
+        assert ours.apply_chat_template(messages) == placed

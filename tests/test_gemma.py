@@ -456,8 +456,8 @@ def test_decode_kernel_window_and_softcap_match_pytorch():
 
 def test_gemma_chat_template_renders_as_transformers(smollm_tokenizer, smollm_hf_tokenizer):
     """Gemma 2's own template (from llama.cpp's collection): turns as <start_of_turn>user/model,
-    trimmed contents, alternating roles enforced, no system role (refused with the template's own
-    message, by both)."""
+    trimmed contents, alternating roles enforced, no system role (its text placed in the first user
+    turn, as transformers renders that placement)."""
     conversations = [
         ([{"role": "user", "content": "What is 2+2? "}], {}),
         ([{"role": "user", "content": "Hi! Café? 漢字"}, {"role": "assistant", "content": " Hello.\nHow can I help?"},
@@ -466,9 +466,10 @@ def test_gemma_chat_template_renders_as_transformers(smollm_tokenizer, smollm_hf
     ]
     template = llama_cpp_chat_template("google-gemma-2-2b-it")
     assert assert_chat_renders_as_transformers(smollm_tokenizer, smollm_hf_tokenizer, template, conversations) == 4
+    # The system turn the template refuses ("System role not supported") opens the first user turn,
+    # as transformers renders that placement (checked above).
     ours = Tokenizer(smollm_tokenizer.backend, chat_template=template, eos_token=smollm_tokenizer.eos_token)
-    with pytest.raises(ValueError, match="System role not supported"):
-        ours.apply_chat_template(conversations[2][0])
+    assert ours.apply_chat_template(conversations[2][0]).startswith("<start_of_turn>user\nterse")
 
 
 def test_speculative_decoding_on_gemma_gives_transformers_tokens(models):
