@@ -36,7 +36,7 @@ HELLO = [{"role": "user", "content": "Hello"}]
         (None, {}, "prompt", "is required"),
         (ChatPrompt([]), {}, "messages", "non-empty list"),
         (ChatPrompt([{"role": "user"}]), {}, "messages", "needs a 'content'"),
-        (ChatPrompt([{"role": "user", "content": [{"type": "image_url"}]}]), {}, "messages", "image_url"),
+        (ChatPrompt([{"role": "user", "content": [{"type": "image_url"}]}]), {}, "messages[0].content[0]", "image_url"),
         (ChatPrompt(HELLO, chat_template_kwargs={"add_generation_prompt": False}), {}, "chat_template_kwargs",
          "add_generation_prompt"),
         (ChatPrompt(HELLO, chat_template_kwargs={"messages": []}), {}, "chat_template_kwargs", "messages"),

@@ -31,7 +31,7 @@ from roseinfer.common.messages import EngineCoreRequest, ImageInput, ReasoningSp
 from roseinfer.config import ModelConfig
 from roseinfer.errors import ContextLengthError, InvalidRequestError
 from roseinfer.multimodal.media import LoadedImage, MediaPolicy, load_image
-from roseinfer.multimodal.prompt_images import PromptImageProcessor, image_source
+from roseinfer.multimodal.prompt_images import PromptImageProcessor, image_source, is_image_part
 from roseinfer.pooling_params import PoolingParams
 from roseinfer.reasoning import ReasoningParser
 from roseinfer.sampling_params import SamplingParams
@@ -269,14 +269,14 @@ class InputProcessor:
             elif isinstance(content, list):
                 parts = []
                 for p, part in enumerate(content):
-                    source = image_source(part)
+                    field_name = f"messages[{m}].content[{p}]"
+                    if self.prompt_images is None and is_image_part(part):
+                        raise InvalidRequestError(f"{field_name}: this model takes no images (an {part['type']} "
+                                                  "part; it is a text model)", field_name)
+                    source = image_source(part, field_name)
                     if source is None:
                         parts.append(part)
                         continue
-                    field_name = f"messages[{m}].content[{p}]"
-                    if self.prompt_images is None:
-                        raise InvalidRequestError(f"{field_name}: this model takes no images (it is a text model)",
-                                                  field_name)
                     limit = self.media_policy.limit_per_prompt
                     if limit is not None and len(images) >= limit:
                         raise InvalidRequestError(f"{field_name}: more than {limit} image(s) in one request "

@@ -21,24 +21,29 @@ from roseinfer.errors import InvalidRequestError, ModelLoadError
 from roseinfer.multimodal.media import LoadedImage
 from roseinfer.tokenizer import Tokenizer
 
+_IMAGE_PART_TYPES = ("image_url", "image", "input_image")
 
-def image_source(part: Any) -> str | bytes | None:
+
+def is_image_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in _IMAGE_PART_TYPES
+
+
+def image_source(part: Any, field_name: str = "messages") -> str | bytes | None:
     """The image a message content part carries (a URL, a data URL or base64), None for any
     other part. The API fronts hand images over in OpenAI's shape ({"type": "image_url",
     "image_url": {"url": ...}}); offline callers may also use the Hugging Face shape
     ({"type": "image", "image": <url, data URL or bytes>})."""
-    if not isinstance(part, dict):
+    if not is_image_part(part):
         return None
-    kind = part.get("type")
+    kind = part["type"]
     if kind == "image_url":
         value = part.get("image_url")
         url = value.get("url") if isinstance(value, dict) else value
-    elif kind in ("image", "input_image"):
-        url = part.get("image", part.get("url", part.get("image_url")))
     else:
-        return None
+        url = part.get("image", part.get("url", part.get("image_url")))
     if not isinstance(url, str | bytes) or not url:
-        raise InvalidRequestError("an image part needs its image as a URL, a data URL or base64", "messages")
+        raise InvalidRequestError(f"{field_name}: an {kind} part needs its image as a URL, a data URL or base64",
+                                  field_name)
     return url
 
 
