@@ -212,7 +212,7 @@ def test_a_budget_without_a_reasoning_parser_and_a_parser_without_single_tags_ar
     with pytest.raises(InvalidRequestError, match=r"needs '<think>' to be one token") as caught:
         InputProcessor(other.tokenizer(), other.model_config(), 256, get_reasoning_parser("qwen3"))
     assert caught.value.param == "reasoning_parser"
-    with pytest.raises(InvalidRequestError, match="reasoning_parser must be one of deepseek_r1, qwen3"):
+    with pytest.raises(InvalidRequestError, match="reasoning_parser must be one of deepseek_r1, harmony, qwen3"):
         get_reasoning_parser("qwq")
 
 
