@@ -25,8 +25,11 @@ class RMSNorm(nn.Module):
             return kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(residual + x), residual + x). May reuse the memory of `x` and `residual`."""
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x). May reuse the memory of `x` and `residual`.
+        No residual yet (a decoder's first layer): (rms_norm(x), x)."""
+        if residual is None:
+            return self(x), x
         kernels = _kernels_for(x)
         if kernels is not None and residual.is_contiguous():
             kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)

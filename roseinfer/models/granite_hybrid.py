@@ -70,10 +70,7 @@ class GraniteHybridLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer (output before its residual add, residual), the output scaled."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.mamba(hidden, cache, meta) if self.is_recurrent else self.self_attn(hidden, rotations, cache, meta)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden * self.residual_multiplier, residual)
         out = self.shared_mlp(hidden)

@@ -66,10 +66,7 @@ class Lfm2DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer; `cache`: the layer's KV pool, or its convolution's state pool."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.conv(hidden, cache, meta) if self.is_recurrent else self.self_attn(hidden, rotations, cache, meta)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(hidden), residual

@@ -78,10 +78,7 @@ class NemotronHBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this block's output before its residual add, the residual); `cache`: the block's KV
         pool (attention), its state pools (Mamba2), or unused (MLP)."""
-        if residual is None:
-            residual, hidden = hidden, self.norm(hidden)
-        else:
-            hidden, residual = self.norm.add_and_norm(hidden, residual)
+        hidden, residual = self.norm.add_and_norm(hidden, residual)
         if self.kind == "mamba":
             return self.mixer(hidden, cache, meta), residual
         if self.kind == "attention":

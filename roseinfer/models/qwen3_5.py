@@ -101,10 +101,7 @@ class HybridDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer: (this layer's output before its residual add, the residual);
         `cache`: the layer's KV pool, or its recurrent state pools."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         if self.is_recurrent:
             hidden = self.linear_attn(hidden, cache, meta)
         else:
