@@ -134,13 +134,14 @@ def register(app: FastAPI, context: ApiContext) -> None:
         """Anthropic's Messages API (its official clients work against this server)."""
         check_model(body.model)
         log_ignored(request, body.ignored_fields(reasoning))
+        chat = chat_request(body, reasoning, serving.takes_images)
         try:
-            requests, tool_calling = serving.chat_requests(chat_request(body, reasoning))
+            requests, tool_calling = serving.chat_requests(chat)
             for engine_request in requests:  # max_tokens is an upper bound: cut to what fits
                 engine_request.fit_max_tokens = True
             submitted = await serving.submit(PATH_PREFIX, "msg", requests, 1, tool_calling)
         except InvalidRequestError as exc:
-            raise in_anthropic_terms(exc) from exc
+            raise in_anthropic_terms(exc, body, chat) from exc
         if body.stream:
             return StreamingResponse(guarded_events(anthropic.message_stream(body, submitted)),
                                      media_type="text/event-stream")
@@ -152,8 +153,12 @@ def register(app: FastAPI, context: ApiContext) -> None:
         would feed the model (its chat template applied)."""
         check_model(body.model)
         log_ignored(request, body.ignored_fields(reasoning))
-        prompt = prompt_of(chat_request(body, reasoning), serving)
-        _, ids = await asyncio.get_running_loop().run_in_executor(None, engine.input_processor.tokenize, prompt)
+        chat = chat_request(body, reasoning, serving.takes_images)
+        try:
+            prompt = prompt_of(chat, serving)
+            _, ids = await asyncio.get_running_loop().run_in_executor(None, engine.input_processor.tokenize, prompt)
+        except InvalidRequestError as exc:
+            raise in_anthropic_terms(exc, body, chat) from exc
         return TokenCount(input_tokens=len(ids))
 
     app.include_router(router)

@@ -65,8 +65,43 @@ class TextBlock(AnthropicRequestModel):
     citations: Annotated[list[Any], Field(max_length=0)] | None = None
 
 
-CONTENT_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking")
-# Blocks of Anthropic's API that hold media: refused by name, since the models here read text only.
+class Base64ImageSource(AnthropicRequestModel):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: Annotated[str, Field(min_length=1)]
+
+
+class URLImageSource(AnthropicRequestModel):
+    """Fetched only from the hosts the operator allows (--allowed-media-domains)."""
+
+    type: Literal["url"]
+    url: Annotated[str, Field(min_length=1)]
+
+
+class ImageBlock(AnthropicRequestModel):
+    """An image in a user turn (a vision-language model; a text model refuses it, naming the block)."""
+
+    type: Literal["image"]
+    source: Annotated[Base64ImageSource | URLImageSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _no_files(cls, source: Any) -> Any:
+        if isinstance(source, dict) and source.get("type") == "file":
+            raise ValueError("an image source of type 'file' (the Files API) is not supported by this server; "
+                             "send the image as base64 or a URL")
+        return source
+
+    def url(self) -> str:
+        """The image as the chat route's image_url takes it: a data URL, or the URL as sent."""
+        if isinstance(self.source, Base64ImageSource):
+            return f"data:{self.source.media_type};base64,{self.source.data}"
+        return self.source.url
+
+
+CONTENT_BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking")
+# Blocks of Anthropic's API that hold media this server cannot read: refused by name.
 MEDIA_BLOCK_TYPES = ("image", "document", "search_result")
 _TEXT_BLOCKS = TypeAdapter(list[TextBlock])
 
@@ -146,7 +181,8 @@ class ThinkingBlock(AnthropicRequestModel):
     signature: str | None = None
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+ContentBlock = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+                        Field(discriminator="type")]
 _CONTENT_BLOCKS = TypeAdapter(list[ContentBlock])
 
 
@@ -161,12 +197,12 @@ class InputMessage(AnthropicRequestModel):
     def _known_block_types(cls, content: Any) -> Any:
         if isinstance(content, list):
             known_kinds(content, CONTENT_BLOCK_TYPES, "content blocks", "block {i}", media=MEDIA_BLOCK_TYPES,
-                        why="this model reads text only")
+                        why="this server reads text and images only")
         return _blocks(_CONTENT_BLOCKS, content)
 
     @model_validator(mode="after")
     def _blocks_fit_the_role(self) -> InputMessage:
-        allowed = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking"),
+        allowed = {"user": ("text", "image", "tool_result"), "assistant": ("text", "tool_use", "thinking"),
                    "system": ("text",)}[self.role]
         for i, block in enumerate(self.content if isinstance(self.content, list) else []):
             if block.type not in allowed:

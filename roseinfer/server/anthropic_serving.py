@@ -32,6 +32,7 @@ from roseinfer.server.anthropic_protocol import (
     ContentBlockStartEvent,
     ContentBlockStopEvent,
     CountTokensRequest,
+    ImageBlock,
     InputJsonDelta,
     InputMessage,
     MessageDelta,
@@ -64,6 +65,12 @@ from roseinfer.server.error_responses import (
     error_event,
     generation_failure,
     status_of,
+)
+from roseinfer.server.image_parts import (
+    chat_image_paths,
+    image_places,
+    in_request_terms,
+    text_model_refusal,
 )
 from roseinfer.server.protocol import ChatCompletionRequest
 from roseinfer.server.serving import OpenAIServing, Submitted
@@ -123,6 +130,8 @@ def _user_messages(message: InputMessage) -> list[dict[str, Any]]:
             # The template has no field for a failed call: the model reads it in the result itself.
             content = f"Error: {block.text()}" if block.is_error else block.text()
             result.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+        elif isinstance(block, ImageBlock):
+            texts.append({"type": "image_url", "image_url": {"url": block.url()}})
         else:
             texts.append({"type": "text", "text": block.text})
     if texts or not result:
@@ -185,9 +194,20 @@ def _thinking(body: CountTokensRequest, reasoning: bool) -> dict[str, Any]:
     return fields
 
 
-def chat_request(body: CountTokensRequest, reasoning: bool = False) -> ChatCompletionRequest:
+def image_blocks(body: CountTokensRequest) -> list[str]:
+    """Where the request's image blocks are (`messages[i].content[j]`), in order."""
+    return [f"messages[{i}].content[{j}]" for i, message in enumerate(body.messages)
+            if isinstance(message.content, list)
+            for j, block in enumerate(message.content) if isinstance(block, ImageBlock)]
+
+
+def chat_request(body: CountTokensRequest, reasoning: bool = False, takes_images: bool = True) -> ChatCompletionRequest:
     """The chat completion request that `body` means (a count_tokens request: its prompt only);
-    `reasoning`: the server has a reasoning parser."""
+    `reasoning`: the server has a reasoning parser; `takes_images`: the model reads images (else
+    an image block is refused, naming it)."""
+    images = image_blocks(body)
+    if images and not takes_images:
+        raise text_model_refusal(images[0], "image block")
     fields: dict[str, Any] = {"model": body.model, "messages": _chat_messages(body), **_thinking(body, reasoning)}
     if body.tools:
         fields["tools"] = [{"type": "function", "function": {
@@ -212,10 +232,14 @@ def chat_request(body: CountTokensRequest, reasoning: bool = False) -> ChatCompl
         raise InvalidRequestError(f"the request cannot be served: {exc.errors()[0]['msg']}") from exc
 
 
-def in_anthropic_terms(exc: InvalidRequestError) -> InvalidRequestError:
-    """An error the chat path raised, naming the Anthropic field where the two names differ."""
+def in_anthropic_terms(exc: InvalidRequestError, body: CountTokensRequest | None = None,
+                       chat: ChatCompletionRequest | None = None) -> InvalidRequestError:
+    """An error the chat path raised, naming the Anthropic field where the two names differ (an
+    image's place: `body` and the `chat` request it became)."""
     if exc.param == "stop":
         return InvalidRequestError(str(exc).replace("stop", "stop_sequences", 1), "stop_sequences")
+    if body is not None and chat is not None:
+        return in_request_terms(exc, image_places(chat_image_paths(chat.messages), image_blocks(body)))
     return exc
 
 

@@ -40,7 +40,8 @@ def register(app: FastAPI, context: ApiContext) -> None:
         return ModelCard(id=context.model_name, root=engine.model_name, max_model_len=engine.max_model_len,
                          created=int(STARTED), display_name=context.model_name, created_at=created,
                          max_input_tokens=engine.max_model_len,
-                         max_tokens=min(default_cap or engine.max_model_len, engine.max_model_len))
+                         max_tokens=min(default_cap or engine.max_model_len, engine.max_model_len),
+                         input_modalities=["text", "image"] if serving.takes_images else ["text"])
 
     @router.get("/v1/models", responses=errors(401))
     async def models() -> ModelList:

@@ -58,7 +58,7 @@ UNSUPPORTED_FIELDS = {
     "add_special_tokens": "add_special_tokens is not supported",
     "documents": "documents are not supported",
     "chat_template": "a per-request chat template is not supported; the model's own is used",
-    "mm_processor_kwargs": "multimodal inputs are not supported",
+    "mm_processor_kwargs": "per-request processor options are not supported; the model's own processor config is used",
     "spaces_between_special_tokens": "spaces_between_special_tokens is not supported",
     "logits_processors": "custom logits processors are not supported",
     "guided_json": "use structured_outputs: {\"json\": ...} (vLLM's current spelling)",
@@ -260,6 +260,23 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(StrictModel):
+    url: Annotated[str, Field(min_length=1)]  # a data URL, or http(s) from --allowed-media-domains
+    # OpenAI's resolution hint: the model's own processor decides the resolution here, so any value
+    # other than "auto" is logged as ignored (ChatCompletionRequest.ignored_fields).
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLPart(StrictModel):
+    """An image in a message (a vision-language model; a text model refuses it, naming the part)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     # tool_calls, tool_call_id, name, ... reach the template. The schema says what `_needs_content` checks.
     model_config = ConfigDict(extra="allow", json_schema_extra={"anyOf": [
@@ -269,7 +286,7 @@ class ChatMessage(BaseModel):
     ]})
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
     @model_validator(mode="after")
     def _needs_content(self) -> ChatMessage:
@@ -300,9 +317,13 @@ class ChatCompletionRequest(SamplingFields):
 
     def ignored_fields(self, reasoning: bool) -> dict[str, str]:
         """The fields given that change nothing here (`reasoning`: a reasoning parser honours them)."""
+        ignored = {}
         if self.reasoning_effort is not None and not reasoning:
-            return {"reasoning_effort": "the model does not think (no --reasoning-parser)"}
-        return {}
+            ignored["reasoning_effort"] = "the model does not think (no --reasoning-parser)"
+        if any(isinstance(part, ImageURLPart) and part.image_url.detail not in (None, "auto")
+               for message in self.messages if isinstance(message.content, list) for part in message.content):
+            ignored["image_url.detail"] = "the model's own image processor decides the resolution"
+        return ignored
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -470,6 +491,9 @@ class ModelCard(BaseModel):
     created_at: str | None = None  # RFC 3339
     max_input_tokens: int | None = None  # the context (Anthropic's name)
     max_tokens: int | None = None  # the most a response generates: the default cap
+    # What the model reads: ["text"], or ["text", "image"] for a vision-language model (OpenRouter's
+    # name for it; the chat page offers to attach images only when "image" is listed).
+    input_modalities: list[Literal["text", "image"]] = Field(default_factory=lambda: ["text"])
 
 
 class ModelList(BaseModel):

@@ -35,6 +35,12 @@ from roseinfer.server.error_responses import (
     status_of,
 )
 from roseinfer.server.ignored_fields import log_ignored
+from roseinfer.server.image_parts import (
+    chat_image_paths,
+    image_places,
+    in_request_terms,
+    text_model_refusal,
+)
 from roseinfer.server.openapi import errors
 from roseinfer.server.protocol import (
     ChatCompletionRequest,
@@ -51,6 +57,7 @@ from roseinfer.server.responses_protocol import (
     DeletedResponse,
     FunctionCallItem,
     FunctionCallOutputItem,
+    InputImage,
     InputItem,
     MessageItem,
     ReasoningItem,
@@ -88,6 +95,7 @@ def chat_messages(items: list[Any], history: list[dict[str, Any]] | None = None)
             reasoning = (reasoning or "") + item.text()
         elif isinstance(item, MessageItem):
             content: Any = item.content if isinstance(item.content, str) else [
+                _image_url_part(part) if isinstance(part, InputImage) else
                 {"type": "text", "text": getattr(part, "text", None) or getattr(part, "refusal", "")}
                 for part in item.content]
             message = {"role": item.role, "content": content}
@@ -113,6 +121,11 @@ def chat_messages(items: list[Any], history: list[dict[str, Any]] | None = None)
                     f"input[{i}].call_id")
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
     return messages
+
+
+def _image_url_part(part: InputImage) -> dict[str, Any]:
+    """An input_image as the chat route's image_url part (its detail logged as ignored, not sent)."""
+    return {"type": "image_url", "image_url": {"url": part.image_url}}
 
 
 def text_constraint(body: ResponsesRequest) -> StructuredOutputsParams | None:
@@ -177,6 +190,9 @@ class ResponsesServing:
                                "never stored (store: false), was deleted, or expired from this server's store "
                                "(see --responses-store-ttl).", "previous_response_id", "previous_response_not_found")
             history = stored.messages
+        images = body.input_images()
+        if images and not self.serving.takes_images:
+            raise text_model_refusal(images[0][0], "input_image part")
         conversation = chat_messages(body.input, history)
         messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
         chat = _chat_body(body, messages, self.serving.reasoning_parser is not None)
@@ -197,7 +213,11 @@ class ResponsesServing:
 
     async def submit(self, body: ResponsesRequest) -> tuple[Submitted, list[dict[str, Any]]]:
         conversation, request, tool_calling = self.prepare(body)
-        submitted = await self.serving.submit(ROUTE, "resp", [request], 1, tool_calling)
+        try:
+            submitted = await self.serving.submit(ROUTE, "resp", [request], 1, tool_calling)
+        except InvalidRequestError as exc:  # a bad image: named by its place in the input
+            places = image_places(chat_image_paths(request.prompt.messages), [p for p, _ in body.input_images()])
+            raise in_request_terms(exc, places) from exc
         submitted.response_id = _response_id()
         return submitted, conversation
 

@@ -53,10 +53,10 @@ UNSUPPORTED_RESPONSE_FIELDS = {
 }
 # Input item types of the API that this server does not take, and content part types.
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
-_TEXT_PARTS = ("input_text", "output_text", "refusal")
+_TEXT_PARTS = ("input_text", "output_text", "refusal", "input_image")
 # Fields whose values may be any JSON: their nesting is bounded as on the chat route.
 _FREE_JSON_FIELDS = ("input", "tools", "text", "metadata", "client_metadata")
-_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+_MEDIA_PARTS = ("input_file", "input_audio")
 
 
 class InputText(StrictModel):
@@ -72,7 +72,27 @@ class Refusal(StrictModel):
     refusal: str
 
 
-ContentPart = Annotated[InputText | Refusal, Field(discriminator="type")]
+class InputImage(StrictModel):
+    """An image in a message (a vision-language model; a text model refuses it, naming the part)."""
+
+    type: Literal["input_image"]
+    image_url: Annotated[str, Field(min_length=1)] | None = None  # a data URL, or http(s) from --allowed-media-domains
+    file_id: None = None  # the Files API: refused by _no_files
+    # OpenAI's resolution hint: the model's own processor decides here (logged as ignored otherwise).
+    detail: Literal["auto", "low", "high", "original"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_files(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("file_id") is not None:
+            raise ValueError("an input_image's file_id is not supported by this server (it has no Files API); "
+                             "send the image as image_url, a data URL")
+        if isinstance(data, dict) and data.get("image_url") is None:
+            raise ValueError("an input_image needs image_url (a data URL, or an http(s) URL the server allows)")
+        return data
+
+
+ContentPart = Annotated[InputText | Refusal | InputImage, Field(discriminator="type")]
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
@@ -89,13 +109,14 @@ class MessageItem(StrictModel):
     def _text_parts_only(cls, content: Any) -> Any:
         if isinstance(content, list):
             known_kinds(content, _TEXT_PARTS, "parts", "content[{i}]", media=_MEDIA_PARTS,
-                        why="this model reads text only")
+                        why="this server reads text and images only")
         return content
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text if isinstance(part, InputText) else part.refusal for part in self.content)
+        return "".join(part.text if isinstance(part, InputText) else part.refusal
+                       for part in self.content if not isinstance(part, InputImage))
 
 
 class FunctionCallItem(StrictModel):
@@ -355,9 +376,17 @@ class ResponsesRequest(StrictModel):
             ignored["reasoning.effort"] = "the model does not think (no --reasoning-parser)"
         if self.text is not None and self.text.verbosity is not None:
             ignored["text.verbosity"] = "the model is not told how verbose to be"
+        if any(part.detail not in (None, "auto") for _, part in self.input_images()):
+            ignored["input_image.detail"] = "the model's own image processor decides the resolution"
         if any(item.type == "reasoning" and item.encrypted_content for item in self.input):
             ignored["input.reasoning.encrypted_content"] = "nothing here can decrypt reasoning"
         return ignored
+
+    def input_images(self) -> list[tuple[str, InputImage]]:
+        """The input's images with their places (`input[i].content[j]`), in order."""
+        return [(f"input[{i}].content[{j}]", part) for i, item in enumerate(self.input)
+                if isinstance(item, MessageItem) and isinstance(item.content, list)
+                for j, part in enumerate(item.content) if isinstance(part, InputImage)]
 
     @field_validator("tool_choice", mode="before")
     @classmethod

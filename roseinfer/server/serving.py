@@ -150,6 +150,8 @@ class OpenAIServing:
             logger.info("%s", found)
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = engine.reasoning_parser  # None: not a thinking model
+        # A vision-language model takes image parts; a text model refuses them (a 400 naming the part).
+        self.takes_images = engine.input_processor.prompt_images is not None
 
     async def submit(
         self, route: str, prefix: str, requests: list[NewRequest], n: int, tool_calling: ToolCalling | None = None
