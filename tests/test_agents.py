@@ -100,7 +100,7 @@ def test_refusals_name_what_cannot_be_honoured(server, claude):
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
     for content, says in (
             ([{"type": "tool_result", "tool_use_id": "toolu_01", "content": [image]}], "'image' content blocks cannot"),
-            ([image], "'image' content blocks cannot be given to this model")):
+            ([image], "messages[0].content[0]: this model takes no images (an image block; it is a text model)")):
         with pytest.raises(anthropic.BadRequestError) as refused:
             claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": content}])
         assert says in refused.value.body["error"]["message"]

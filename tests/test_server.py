@@ -304,6 +304,10 @@ HELLO = [{"role": "user", "content": "Hello"}]
         (CHAT, {"messages": HELLO, "cache_salt": "s" * 1025}, 400, "cache_salt", "1025 characters"),
         (CHAT, {"messages": HELLO, "chat_template_kwargs": {"template": 1}}, 400, "chat_template_kwargs",
          "per-request chat template"),
+        (CHAT, {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}, 400,
+         "messages[0].content[1]", r"messages\[0\]\.content\[1\]: this model takes no images \(an image_url part"),
     ],
 )
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, path, body, status, param, message):

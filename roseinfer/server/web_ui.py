@@ -19,9 +19,10 @@ from roseinfer.server.api_family import ApiContext
 STATIC_DIR = Path(__file__).with_name("static")
 
 # The page loads nothing from another origin, and markup that got past the Markdown sanitiser
-# could still neither run a script nor fetch anything (an <img> pointing elsewhere, say).
+# could still neither run a script nor fetch anything (an <img> pointing elsewhere, say). Images
+# may be data: URLs: the thumbnails of the images a person attaches (they fetch nothing).
 CONTENT_SECURITY_POLICY = (
-    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 # Browsers revalidate (a cheap 304) instead of running a stale page after an upgrade.

@@ -40,13 +40,15 @@ async function describeFailure(response) {
   return text;
 }
 
-// The id of the model this server serves (the first of /v1/models).
-export async function fetchModelName(apiKey) {
+// The model this server serves (the first of /v1/models): its id, and whether it reads images
+// ("image" among its input_modalities).
+export async function fetchModel(apiKey) {
   const response = await send("/v1/models", { headers: headers(apiKey) });
   const body = await response.json();
-  const id = body?.data?.[0]?.id;
-  if (typeof id !== "string") throw new ChatError("The server's /v1/models lists no model.");
-  return id;
+  const card = body?.data?.[0];
+  if (typeof card?.id !== "string") throw new ChatError("The server's /v1/models lists no model.");
+  const modalities = Array.isArray(card.input_modalities) ? card.input_modalities : ["text"];
+  return { id: card.id, takesImages: modalities.includes("image") };
 }
 
 // Server-sent events, one `data:` payload at a time, from a fetch response body.

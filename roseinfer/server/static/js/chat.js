@@ -1,7 +1,8 @@
-// The chat page's controller: the conversation on screen, the composer, and the buttons that
-// send, stop, regenerate, edit, start afresh and export.
+// The chat page's controller: the conversation on screen, the composer (with its attached images,
+// for a model that reads them), and the buttons that send, stop, regenerate, edit, start afresh
+// and export.
 
-import { ChatError, fetchModelName, streamChat } from "./api.js";
+import { ChatError, fetchModel, streamChat } from "./api.js";
 import { copyCode, renderMarkdown } from "./markdown.js";
 import { loadConversation, saveConversation } from "./store.js";
 import { SettingsForm } from "./settings.js";
@@ -21,11 +22,16 @@ const view = {
   settingsToggle: $("settings-toggle"),
   settingsForm: $("settings"),
   modelName: $("model-name"),
+  attach: $("attach"),
+  attachFile: $("attach-file"),
+  attachments: $("attachments"),
 };
 
 const state = {
   conversation: loadConversation(),
   modelName: null,
+  takesImages: false, // the model reads images: the composer takes them
+  attached: [], // the composer's images, as data URLs, sent with the next message
   running: null, // {controller, message, element} while an answer streams
   alertSource: null,
 };
@@ -73,6 +79,7 @@ function messageElement(message, index, lastUserIndex) {
   article.append(meta, body);
   if (message.role === "user") {
     body.textContent = message.content; // shown as typed, never as markup
+    if (message.images?.length) article.insertBefore(imagesElement(message.images), body);
     if (index === lastUserIndex && !state.running) {
       const edit = document.createElement("button");
       edit.type = "button";
@@ -91,6 +98,22 @@ function messageElement(message, index, lastUserIndex) {
     article.append(figures);
   }
   return article;
+}
+
+// A user message's images, as thumbnails.
+function imagesElement(images) {
+  const list = document.createElement("ul");
+  list.className = "images";
+  list.setAttribute("aria-label", "Images");
+  images.forEach((url, i) => {
+    const item = document.createElement("li");
+    const img = document.createElement("img");
+    img.src = url;
+    img.alt = `Image ${i + 1}`;
+    item.append(img);
+    list.append(item);
+  });
+  return list;
 }
 
 // A thinking model's thinking, folded above its answer (hidden when there is none). Plain text:
@@ -160,10 +183,25 @@ function updateButtons() {
 function requestMessages() {
   const messages = [];
   if (settings.systemPrompt) messages.push({ role: "system", content: settings.systemPrompt });
-  for (const { role, content } of state.conversation.messages) {
-    if (content) messages.push({ role, content }); // an answer that failed before any text is left out
+  for (const { role, content, images } of state.conversation.messages) {
+    if (images?.length) {
+      // OpenAI's image_url parts, the images before the text (as the chat templates expect them)
+      const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+      if (content) parts.push({ type: "text", text: content });
+      messages.push({ role, content: parts });
+    } else if (content) {
+      messages.push({ role, content }); // an answer that failed before any text is left out
+    }
   }
   return messages;
+}
+
+// Saves the conversation; says so once if the browser's storage cannot hold its images.
+let storageWarned = false;
+function save() {
+  if (saveConversation(state.conversation) || storageWarned) return;
+  storageWarned = true;
+  showAlert("This browser's storage is full: after a reload the conversation is kept without its images.", "storage");
 }
 
 function samplingOrAlert() {
@@ -232,7 +270,7 @@ async function answer(sampling) {
     const empty = !message.content && !message.reasoning;
     if (empty && messages.includes(message)) messages.splice(messages.indexOf(message), 1);
     if (state.running?.message === message) state.running = null;
-    saveConversation(state.conversation);
+    save();
     render();
   }
 }
@@ -240,15 +278,18 @@ async function answer(sampling) {
 function send() {
   if (state.running) return;
   const text = view.message.value.trim();
-  if (!text) {
+  if (!text && !state.attached.length) {
     showAlert("Type a message first.");
     return;
   }
   const sampling = samplingOrAlert();
   if (!sampling) return;
   view.message.value = "";
-  state.conversation.messages.push({ role: "user", content: text });
-  saveConversation(state.conversation);
+  const message = { role: "user", content: text };
+  if (state.attached.length) message.images = state.attached;
+  setAttached([]);
+  state.conversation.messages.push(message);
+  save();
   answer(sampling);
 }
 
@@ -267,8 +308,9 @@ function editLast() {
   const index = lastUserIndex();
   if (index < 0) return;
   view.message.value = state.conversation.messages[index].content;
+  setAttached(state.conversation.messages[index].images ?? []);
   state.conversation.messages.splice(index);
-  saveConversation(state.conversation);
+  save();
   render();
   view.message.focus();
 }
@@ -278,7 +320,7 @@ function newChat() {
   state.running = null;
   running?.controller.abort();
   state.conversation = { messages: [] };
-  saveConversation(state.conversation);
+  save();
   clearAlert("chat");
   render();
   view.message.focus();
@@ -299,9 +341,63 @@ function exportConversation() {
   setTimeout(() => URL.revokeObjectURL(url), 1000);
 }
 
+// -- attached images ------------------------------------------------------------------------
+
+function setAttached(images) {
+  state.attached = images;
+  view.attachments.hidden = !images.length;
+  view.attachments.replaceChildren(...images.map((url, i) => {
+    const item = document.createElement("li");
+    const img = document.createElement("img");
+    img.src = url;
+    img.alt = `Attached image ${i + 1}`;
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.className = "remove";
+    remove.textContent = "×";
+    remove.setAttribute("aria-label", `Remove image ${i + 1}`);
+    remove.addEventListener("click", () => setAttached(state.attached.filter((_, j) => j !== i)));
+    item.append(img, remove);
+    return item;
+  }));
+}
+
+function readAsDataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+// Files picked, pasted or dropped: the images among them join the composer's.
+async function attachFiles(files) {
+  const images = [...files].filter((file) => file.type.startsWith("image/"));
+  if (!images.length) {
+    if (files.length) showAlert("Only images can be attached.", "attach");
+    return;
+  }
+  if (!state.takesImages) {
+    showAlert(`${state.modelName ?? "This model"} reads text only: images cannot be attached.`, "attach");
+    return;
+  }
+  try {
+    const urls = await Promise.all(images.map(readAsDataURL));
+    setAttached([...state.attached, ...urls]);
+    clearAlert("attach");
+  } catch (error) {
+    showAlert(`The image could not be read: ${error?.message ?? error}`, "attach");
+  }
+}
+
 async function refreshModelName() {
   try {
-    state.modelName = await fetchModelName(settings.apiKey);
+    const model = await fetchModel(settings.apiKey);
+    state.modelName = model.id;
+    state.takesImages = model.takesImages;
+    view.attach.hidden = !model.takesImages;
+    if (!model.takesImages) setAttached([]);
     view.modelName.textContent = state.modelName;
     clearAlert("models");
     clearAlert("key"); // the key works now
@@ -332,6 +428,32 @@ view.message.addEventListener("keydown", (event) => {
   }
 });
 view.stop.addEventListener("click", () => state.running?.controller.abort());
+view.attach.addEventListener("click", () => view.attachFile.click());
+view.attachFile.addEventListener("change", () => {
+  attachFiles(view.attachFile.files);
+  view.attachFile.value = ""; // the same file can be picked again
+});
+view.message.addEventListener("paste", (event) => {
+  const files = [...(event.clipboardData?.files ?? [])];
+  if (!files.some((file) => file.type.startsWith("image/"))) return; // text pastes as text
+  event.preventDefault();
+  attachFiles(files);
+});
+const carriesFiles = (event) => [...(event.dataTransfer?.types ?? [])].includes("Files");
+document.addEventListener("dragover", (event) => {
+  if (!carriesFiles(event)) return;
+  event.preventDefault(); // a dropped file is attached, not opened in place of the page
+  view.composer.classList.add("dropping");
+});
+document.addEventListener("dragleave", (event) => {
+  if (event.relatedTarget === null) view.composer.classList.remove("dropping");
+});
+document.addEventListener("drop", (event) => {
+  view.composer.classList.remove("dropping");
+  if (!carriesFiles(event)) return;
+  event.preventDefault();
+  attachFiles(event.dataTransfer.files);
+});
 view.regenerate.addEventListener("click", regenerate);
 view.newChat.addEventListener("click", newChat);
 view.exportButton.addEventListener("click", exportConversation);
