@@ -13,7 +13,15 @@ import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from roseinfer.sampling_params import MAX_LOGPROBS, MAX_N
 
@@ -275,6 +283,23 @@ class ImageURLPart(StrictModel):
 
 
 ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+_CONTENT_PARTS = TypeAdapter(list[ContentPart])
+
+
+def content_parts(content: Any) -> Any:
+    """A message's list of parts validated on its own, so that a bad part is named in the error
+    (where `str | list` would report the string's mismatch first)."""
+    if not isinstance(content, list):
+        return content
+    try:
+        return _CONTENT_PARTS.validate_python(content)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        location = [str(part) for part in error["loc"]]
+        if len(location) > 1 and location[1] in ("text", "image_url"):  # the union's tag, not a field
+            del location[1]
+        where = f"content[{location[0]}]" + "".join(f".{part}" for part in location[1:]) if location else "content"
+        raise ValueError(f"{where}: {error['msg'].removeprefix('Value error, ')}") from None
 
 
 class ChatMessage(BaseModel):
@@ -287,6 +312,8 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+
+    _parts = field_validator("content", mode="before")(content_parts)
 
     @model_validator(mode="after")
     def _needs_content(self) -> ChatMessage:

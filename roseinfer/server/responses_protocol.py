@@ -81,15 +81,15 @@ class InputImage(StrictModel):
     # OpenAI's resolution hint: the model's own processor decides here (logged as ignored otherwise).
     detail: Literal["auto", "low", "high", "original"] | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_files(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("file_id") is not None:
-            raise ValueError("an input_image's file_id is not supported by this server (it has no Files API); "
-                             "send the image as image_url, a data URL")
-        if isinstance(data, dict) and data.get("image_url") is None:
-            raise ValueError("an input_image needs image_url (a data URL, or an http(s) URL the server allows)")
-        return data
+    @staticmethod
+    def check_source(part: dict[str, Any], where: str) -> None:
+        """Checked before the part's own validation, so the error names the part and says why."""
+        if part.get("file_id") is not None:
+            raise ValueError(f"{where}: an input_image's file_id is not supported by this server (it has no "
+                             "Files API); send the image as image_url, a data URL")
+        if part.get("image_url") is None:
+            raise ValueError(f"{where}: an input_image needs image_url (a data URL, or an http(s) URL the "
+                             "server allows)")
 
 
 ContentPart = Annotated[InputText | Refusal | InputImage, Field(discriminator="type")]
@@ -110,6 +110,9 @@ class MessageItem(StrictModel):
         if isinstance(content, list):
             known_kinds(content, _TEXT_PARTS, "parts", "content[{i}]", media=_MEDIA_PARTS,
                         why="this server reads text and images only")
+            for i, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "input_image":
+                    InputImage.check_source(part, f"content[{i}]")
         return content
 
     def text(self) -> str:
