@@ -169,6 +169,25 @@ def test_the_page_loads_with_no_console_error_and_nothing_from_another_origin(ch
     assert any(url.endswith("/v1/models") for url in chat.request_urls)
 
 
+def test_a_text_model_offers_no_image_attachment(chat):
+    """test_vision_server.py attaches images on a vision-language model's page; on a text model's
+    there is no Attach button, and a dropped image is refused in words, not sent."""
+    chat.open()
+    expect(chat.page.get_by_text(MODEL, exact=True)).to_be_visible()  # /v1/models has answered
+    expect(chat.button("Attach image")).to_be_hidden()
+    chat.page.evaluate("""() => {
+        const data = new DataTransfer();
+        data.items.add(new File([new Uint8Array([137, 80, 78, 71])], "a.png", {type: "image/png"}));
+        for (const kind of ["dragover", "drop"]) {
+            document.querySelector("main").dispatchEvent(
+                new DragEvent(kind, {dataTransfer: data, bubbles: true, cancelable: true}));
+        }
+    }""")
+    expect(chat.alert).to_contain_text(f"{MODEL} reads text only: images cannot be attached")
+    expect(chat.page.get_by_role("list", name="Attached images")).to_be_hidden()
+    assert chat.console_errors == []
+
+
 def test_phone_sized_and_dark_mode(browser, server):
     context = browser.new_context(viewport={"width": 375, "height": 700}, color_scheme="dark",
                                   is_mobile=True, has_touch=True)
