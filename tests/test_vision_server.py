@@ -11,6 +11,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
@@ -106,6 +107,27 @@ def test_chat_completions_with_images_equal_transformers(vlm, client, server):
         stream = client.chat.completions.create(model=MODEL, messages=messages, stream=True, **GREEDY)
         assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == \
             expected_text(processor, tokens)
+
+
+def test_image_requests_batched_with_others_give_their_own_answers(vlm, client):
+    """Sent at once (one engine step holds them): two images of the same size (the same
+    placeholder ids, different pixels), and a text-only chat; each answer is its own."""
+    _, model, processor = vlm
+    cases = [([image(7, (48, 32))], "Describe it."), ([image(8, (48, 32))], "Describe it."), ([], "the quick brown fox")]
+    expected = [reference(model, processor, pictures, text, MAX_TOKENS) if pictures else None
+                for pictures, text in cases]
+
+    def ask(case):
+        pictures, text = case
+        content = chat_parts(*map(data_url, pictures), text=text) if pictures else text
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **GREEDY)
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(ask, cases))
+    for answer, reference_answer in zip(answers[:2], expected[:2], strict=True):
+        assert answer.choices[0].message.content == expected_text(processor, reference_answer[1])
+    alone = ask(cases[2])
+    assert answers[2].choices[0].message.content == alone.choices[0].message.content
 
 
 def test_an_allowed_http_url_is_fetched(vlm, client, pictures):
