@@ -175,6 +175,10 @@ def test_responses_input_image_equals_transformers(vlm, client):
                                        temperature=0, max_output_tokens=MAX_TOKENS, stream=True)
     done = [event for event in streamed if event.type == "response.output_text.done"]
     assert [event.text for event in done] == [response.output_text]
+    # a continuation keeps the image in the stored conversation (its placeholders counted again)
+    follow = client.responses.create(model=MODEL, previous_response_id=response.id, input="And now?",
+                                     temperature=0, max_output_tokens=2)
+    assert follow.usage.input_tokens > len(prompt_ids) + response.usage.output_tokens
 
 
 def png_declaring(width: int, height: int) -> bytes:
