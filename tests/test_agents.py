@@ -55,7 +55,10 @@ def claude_code_turn(messages: list[dict]) -> dict:
     """A request as Claude Code 2.1 sends each turn (its fields, not its 19k-token prompt)."""
     return {
         "model": MODEL, "max_tokens": 32000, "messages": messages, "tools": [
-            READ, {**EDIT, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+            READ, {**EDIT, "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+            # Claude Code 2.1.332's tool search: refused, it resends every tool up front (3 requests lost).
+            {"name": "DeferredToolPlaceholder", "description": "Deferred.", "defer_loading": True,
+             "input_schema": {"type": "object", "properties": {}}}],
         "system": [{"type": "text", "text": "You are Claude Code."},
                    {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
         "metadata": {"user_id": json.dumps({"device_id": "d", "session_id": "s"})},
@@ -94,6 +97,7 @@ def test_claude_code_turns_stream_without_an_api_error(server, claude):
     log = server.output()
     assert log.count(f"{CLAUDE_AGENT} sends context_management") == 1, log
     assert log.count(f"{CLAUDE_AGENT} sends thinking") == 1
+    assert log.count(f"{CLAUDE_AGENT} sends tools.defer_loading") == 1
 
 
 def test_refusals_name_what_cannot_be_honoured(server, claude):

@@ -215,7 +215,6 @@ class Tool(AnthropicRequestModel):
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         "input_examples": "tool input examples are not supported",
-        "defer_loading": "tool search (defer_loading) is not supported",
         "allowed_callers": "programmatic tool calling is not supported",
         "eager_input_streaming": "not supported; tool input streams as it is generated anyway",
     }
@@ -226,6 +225,9 @@ class Tool(AnthropicRequestModel):
     type: Literal["custom"] | None = None
     strict: bool | None = None
     cache_control: CacheControl | None = None
+    # Tool search's "load this tool only once searched for" (Claude Code marks tools so): every
+    # tool is loaded up front here, which is what such a client sends when a server refuses it.
+    defer_loading: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -346,6 +348,8 @@ class CountTokensRequest(AnthropicRequestModel):
         config = self.output_config
         if config is not None and (config.task_budget is not None or config.timing is not None):
             ignored["output_config.task_budget"] = "no budget hints are given to the model"
+        if any(tool.defer_loading for tool in self.tools or ()):
+            ignored["tools.defer_loading"] = "no tool search here: every tool is in the prompt from the start"
         if not reasoning and self.thinking is not None and not isinstance(self.thinking, ThinkingDisabled):
             ignored["thinking"] = "the model does not think (no --reasoning-parser)"
         if not reasoning and config is not None and config.effort is not None:
