@@ -10,7 +10,7 @@ WEB_VENDOR := roseinfer/server/static/vendor
 MARKED_VERSION ?= 18.2.1
 DOMPURIFY_VERSION ?= 3.4.18
 
-.PHONY: setup setup-test chromium iproute2 serve run test lint bench web-vendor clean
+.PHONY: setup setup-test chromium iproute2 npm serve run test lint bench web-vendor clean
 
 $(RUNTIME): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
@@ -30,7 +30,7 @@ $(TESTDEPS): $(RUNTIME)
 
 setup: $(RUNTIME)
 
-setup-test: $(TESTDEPS) chromium iproute2
+setup-test: $(TESTDEPS) chromium iproute2 npm
 
 # Debian's Chromium for the chat page's browser tests (Playwright never downloads a browser here).
 # Run as root, as here and on CI; the package lists are refreshed only if the first try fails.
@@ -43,6 +43,13 @@ chromium:
 iproute2:
 	@command -v ip >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null 2>&1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null; }
+
+# npm (Debian's nodejs and npm) for the agent CLIs' test, which fetches Claude Code, Codex, opencode
+# and Qwen Code pinned from the npm registry into ~/.cache/roseinfer-agent-clis (Qwen Code runs on
+# node >= 20); installed the same way as Chromium when it is missing.
+npm:
+	@command -v npm >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; }
 
 # The OpenAI-compatible server on the default model at 127.0.0.1:8000 (Ctrl-C stops it cleanly).
 serve: setup
