@@ -80,8 +80,12 @@ def test_claude_code_turns_stream_without_an_api_error(server, claude):
     assert 0 < message.usage.output_tokens <= 32000
     # The next turn echoes the assistant's blocks as the SDK dumps them (a tool_use with caller:
     # null, a text block with citations: null) and the tool's result.
+    # A tool search of Claude Code's own finds a deferred tool: its result is a tool_reference.
+    search = {"type": "tool_use", "id": "toolu_00", "name": "ToolSearch", "input": {"query": "edit"}}
+    found = {"type": "tool_result", "tool_use_id": "toolu_00", "content": [{"type": "tool_reference", "tool_name": "Edit"}]}
     call = {"type": "tool_use", "id": "toolu_01", "name": "Read", "input": {"file_path": "notes.txt"}, "caller": None}
-    second = [*first, {"role": "assistant", "content": [{**message.content[0].model_dump(), "citations": None}, call]},
+    second = [*first, {"role": "assistant", "content": [search]}, {"role": "user", "content": [found]},
+              {"role": "assistant", "content": [{**message.content[0].model_dump(), "citations": None}, call]},
               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01", "content": "hello"},
                                            {"type": "text", "text": "Now fix it."}]},
               {"role": "user", "content": "Consecutive user turn."}]

@@ -116,7 +116,7 @@ def _blocks(adapter: TypeAdapter, value: Any) -> Any:
     except ValidationError as exc:
         error = exc.errors()[0]
         location = list(error["loc"])
-        if len(location) > 1 and location[1] in CONTENT_BLOCK_TYPES:  # the union's tag, not a field
+        if len(location) > 1 and location[1] in (*CONTENT_BLOCK_TYPES, "tool_reference"):  # the union's tag
             del location[1]
         where = f"block {location[0]}" + "".join(f".{part}" for part in location[1:])
         raise ValueError(f"{where}: {error['msg'].removeprefix('Value error, ')}") from None
@@ -149,12 +149,29 @@ class ToolUseBlock(AnthropicRequestModel):
         return caller
 
 
+class ToolReferenceBlock(AnthropicRequestModel):
+    """A tool that a client-side tool search found (Claude Code's ToolSearch answers with these):
+    the API loads that tool's definition; here every tool is in the prompt already (see
+    Tool.defer_loading), so the result reads as the tool's name."""
+
+    type: Literal["tool_reference"]
+    tool_name: Annotated[str, Field(min_length=1)]
+    cache_control: CacheControl | None = None
+
+    @property
+    def text(self) -> str:
+        return self.tool_name
+
+
+_RESULT_BLOCKS = TypeAdapter(list[Annotated[TextBlock | ToolReferenceBlock, Field(discriminator="type")]])
+
+
 class ToolResultBlock(AnthropicRequestModel):
     """The result of a tool call, sent back in a user turn."""
 
     type: Literal["tool_result"]
     tool_use_id: Annotated[str, Field(min_length=1)]
-    content: str | list[TextBlock] = ""
+    content: str | list[TextBlock | ToolReferenceBlock] = ""
     is_error: bool = False
     cache_control: CacheControl | None = None
     toolset_name: None = None
@@ -163,9 +180,9 @@ class ToolResultBlock(AnthropicRequestModel):
     @classmethod
     def _text_blocks(cls, content: Any) -> Any:
         if isinstance(content, list):
-            known_kinds(content, ("text",), "content blocks", "block {i}", media=MEDIA_BLOCK_TYPES,
+            known_kinds(content, ("text", "tool_reference"), "content blocks", "block {i}", media=MEDIA_BLOCK_TYPES,
                         why="a tool result reaches this model as text only")
-        return _blocks(_TEXT_BLOCKS, content)
+        return _blocks(_RESULT_BLOCKS, content)
 
     def text(self) -> str:
         # Blocks are joined by lines, as the chat route joins a message's text parts.
