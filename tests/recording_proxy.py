@@ -25,6 +25,7 @@ class Exchange:
     request: bytes
     response: bytes
     content_type: str
+    client_left: bool = False  # the client closed the connection before the response's end
 
     def request_json(self) -> dict:
         return json.loads(self.request) if self.request else {}
@@ -43,6 +44,8 @@ class RecordingProxy:
         self.upstream = upstream
         self.exchanges: list[Exchange] = []
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._in_flight = 0
         self._client = httpx.Client(base_url=upstream, timeout=httpx.Timeout(900, connect=10))
         proxy = self
 
@@ -58,7 +61,17 @@ class RecordingProxy:
                 if self.headers.get("transfer-encoding", "").lower() == "chunked":
                     body = self._read_chunked()
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _SKIPPED}
-                received = bytearray()
+                with proxy._lock:
+                    proxy._in_flight += 1
+                try:
+                    self._forward(body, headers)
+                finally:
+                    with proxy._lock:
+                        proxy._in_flight -= 1
+                        proxy._idle.notify_all()
+
+            def _forward(self, body: bytes, headers: dict[str, str]) -> None:
+                received, left = bytearray(), False
                 with proxy._client.stream(self.command, self.path, content=body, headers=headers) as upstream:
                     try:
                         self.send_response(upstream.status_code)
@@ -75,10 +88,13 @@ class RecordingProxy:
                         if chunked:
                             self.wfile.write(b"0\r\n\r\n")
                             self.wfile.flush()
+                    except (BrokenPipeError, ConnectionResetError):
+                        left = True
                     finally:  # also where the client left before the end: what it was sent
                         with proxy._lock:
                             proxy.exchanges.append(Exchange(self.command, self.path, upstream.status_code, body,
-                                                            bytes(received), upstream.headers.get("content-type", "")))
+                                                            bytes(received), upstream.headers.get("content-type", ""),
+                                                            left))
 
             def _read_chunked(self) -> bytes:
                 body = bytearray()
@@ -98,9 +114,11 @@ class RecordingProxy:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
-    def take(self) -> list[Exchange]:
-        """The exchanges recorded since the last take."""
-        with self._lock:
+    def take(self, timeout: float = 60) -> list[Exchange]:
+        """The exchanges recorded since the last take, once none is in flight (a client that
+        exits may leave a request of its own still being answered)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_flight == 0, timeout)
             taken, self.exchanges = self.exchanges, []
         return taken
 
