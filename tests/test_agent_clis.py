@@ -4,16 +4,19 @@ agent_clis.py) in its non-interactive mode, with a throwaway HOME, telemetry and
 pointed at the server through a recording proxy (recording_proxy.py).
 
 Each agent asks a question, then continues the same session with a second one (its conversation
-resent with the first answer in it). Checked: the CLI exits 0 with no error in its output; every
-request it made was answered 200; every model response was streamed to its end; the answer it
-printed is the text the server streamed; the second turn sent the first answer back as the
-assistant's and read its prefix from the prefix cache.
+resent with the first answer in it); then, on a model that calls tools, edits a file through its
+own shell tool. Checked: the CLI exits 0 with no error in its output; every request it made was
+answered 200; every model response was streamed to its end; the answer it printed is the text the
+server streamed; the second turn sent the first answer back as the assistant's and read its prefix
+from the prefix cache; the tool call the server streamed is the model's, the CLI ran it (the file
+changed) and sent its result back, and the model's answer to that ended the task.
 
-The model is scripted so that an answer is known beforehand and quick to reach: a one-layer Llama
-with the default model's tokenizer (the agents' 4-20k-token prompts tokenize as on the default
-model, and are processed in seconds), whose next token depends on the last one only (see
-`scripted_agent_model`): after the generation prompt it writes ANSWER and ends, whatever the prompt
-and the temperature. transformers' own generation on it is the reference for that.
+The model is scripted so that its answers are known beforehand and quick to reach: a one-layer
+Llama with the default model's tokenizer (the agents' 4-20k-token prompts tokenize as on the default
+model, and are processed in seconds), built by `scripted_agent_model`: after the generation prompt
+it writes ANSWER and ends, whatever the prompt and the temperature; the tool-calling one first
+writes a tool call, and ANSWER once a tool's result is in the prompt. transformers' own generation
+on it is the reference for both.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from agent_clis import CLAUDE, CODEX, OPENCODE, QWEN, AgentCli, install, node_ma
 from hf_to_gguf import write_default_tokenizer
 from live_server import ServerProcess
 from recording_proxy import Exchange, RecordingProxy
+from support import QWEN3_CHAT_TEMPLATE
 
 MODEL = "tiny-agent"
 KEY = "agent-clis-key"
@@ -42,35 +46,84 @@ FIRST, SECOND = "What is 2+2?", "And 3+3?"
 RUN_TIMEOUT = 300  # seconds for one CLI run
 
 
-def scripted_agent_model(path: Path) -> None:
-    """A tiny random Llama whose output follows CHAIN: each chain token's embedding is scaled to
-    dominate the residual stream (attention and MLP add little to it), and the output head maps
-    that token's direction to the next token's logit (then EOS), every other logit near 0."""
-    import transformers
+MARKER = "<tool_response>"  # how the Qwen3 template opens a tool's result
 
-    vocab = write_default_tokenizer(path)
+
+def scripted_agent_model(path: Path, tool_call: str | None = None) -> None:
+    """A tiny Llama that writes ANSWER then EOS; with `tool_call` (the Hermes-format text of a call,
+    which becomes one token of its tokenizer) and Qwen3's chat template (whose tool-call format
+    the server finds), it writes that call then EOS until a tool's result is in the prompt.
+
+    How: the chain tokens' embeddings are orthogonal and scaled to dominate the residual stream,
+    and the output head maps each chain token's direction to the next token's logit (the next
+    token depends on the last one only). The one attention head (rotary angles ~0 under a huge
+    rope_theta) lets the generation prompt's last token ("\n") look for MARKER: found, it adds a
+    direction that makes ANSWER's first token win over the tool call."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer
+
+    write_default_tokenizer(path)
+    if tool_call is not None:
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in (MARKER, tool_call)])
+        tokenizer.save(str(path / "tokenizer.json"))
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": QWEN3_CHAT_TEMPLATE}))
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    ids = [tokenizer.encode(piece, add_special_tokens=False) for piece in CHAIN]
+    ids = [tokenizer.encode(piece, add_special_tokens=False) for piece in
+           [*CHAIN, *([MARKER, tool_call] if tool_call else [])]]
     assert all(len(piece) == 1 for piece in ids) and len({i for (i,) in ids}) == len(ids), ids
-    ids = [i for (i,) in ids]
+    newline, *answer = [i for (i,) in ids[:len(CHAIN)]]
+    marker, call = [i for (i,) in ids[len(CHAIN):]] or (None, None)
+    eos = tokenizer.eos_token_id
     config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=65536, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=65536, rope_theta=1e30,
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    layer = model.model.layers[0]
+    embed, head, attention = model.model.embed_tokens.weight, model.lm_head.weight, layer.self_attn
     with torch.no_grad():
-        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-        head.zero_()
-        for token, successor in zip(ids, [*ids[1:], tokenizer.eos_token_id], strict=True):
-            embed[token] *= 20
-            head[successor] = embed[token] / embed[token].norm() * 4
+        for weight in (head, layer.mlp.down_proj.weight, attention.q_proj.weight, attention.k_proj.weight,
+                       attention.v_proj.weight, attention.o_proj.weight):
+            weight.zero_()
+        # Orthonormal directions (Gram-Schmidt): "\n", the marker, the "tool result seen" direction, the chain.
+        chain = [newline, *([call] if call is not None else []), *answer]
+        basis: list[torch.Tensor] = []
+        for token in [marker, None, *chain] if call is not None else chain:
+            vector = embed[token].clone() if token is not None else torch.randn(64)
+            for done in basis:
+                vector -= (vector @ done) * done
+            basis.append(vector / vector.norm())
+            if token is not None:
+                embed[token] = basis[-1] * embed[token].norm() * (1 if token == marker else 20)
+        unit = {token: basis[i] for i, token in enumerate([marker, None, *chain] if call is not None else chain)}
+        for token, successor in zip(answer, [*answer[1:], eos], strict=True):
+            head[successor] += 4 * unit[token]
+        if call is None:
+            head[answer[0]] += 4 * unit[newline]
+        else:
+            head[call] += 4 * unit[newline]
+            head[eos] += 4 * unit[call]
+            # "\n" attends to the marker (a score of ~40 over ~0 elsewhere); its value, written
+            # along the seen direction, outweighs the tool call's logit with ANSWER's.
+            attention.q_proj.weight[7] = 1.6 * unit[newline]
+            attention.k_proj.weight[7] = 1.6 * unit[marker]
+            attention.v_proj.weight[7] = unit[marker]
+            attention.o_proj.weight[:, 7] = unit[None] * embed[newline].norm() / 8
+            head[answer[0]] += 4 * (0.5 * unit[newline] + unit[None])
     model.save_pretrained(path)
-    # The reference: transformers' generation writes ANSWER then EOS.
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": FIRST}], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)
-    out = model.generate(**prompt, max_new_tokens=16, do_sample=False)[0, prompt["input_ids"].shape[1]:].tolist()
-    assert out[-1] == tokenizer.eos_token_id and tokenizer.decode(out[:-1]) == ANSWER, tokenizer.decode(out)
+    # The reference: transformers' generation writes the call, then after its result ANSWER.
+    question = [{"role": "user", "content": FIRST}]
+    after_tool = [*question, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "shell", "arguments": {"command": "true"}}}]},
+        {"role": "tool", "content": "done"}]
+    for messages, expected in [(question, tool_call or ANSWER)] + ([(after_tool, ANSWER)] if tool_call else []):
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)
+        out = model.generate(**prompt, max_new_tokens=16, do_sample=False)[0, prompt["input_ids"].shape[1]:].tolist()
+        assert out[-1] == eos and tokenizer.decode(out[:-1]) == expected, tokenizer.decode(out)
 
 
 @pytest.fixture(scope="module")
@@ -202,34 +255,55 @@ AGENTS = {
 
 # -- what the server streamed -------------------------------------------------------------------
 
-def streamed(exchange: Exchange) -> tuple[str, int]:
-    """The text a model response carried and the prompt tokens it read from the prefix cache,
-    asserting that it was streamed whole (its protocol's last event, no error event)."""
+def streamed(exchange: Exchange) -> tuple[str, list[tuple[str, dict]], int]:
+    """The text and tool calls (name, arguments) a model response carried, and the prompt tokens
+    it read from the prefix cache, asserting that it was streamed whole (its protocol's last
+    event, no error event)."""
     route = exchange.path.split("?")[0]
     if "text/event-stream" not in exchange.content_type:  # a whole response
         body = exchange.json()
         if route == "/v1/messages":
-            return "".join(b["text"] for b in body["content"] if b["type"] == "text"), \
-                body["usage"]["cache_read_input_tokens"]
-        return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            return ("".join(b["text"] for b in body["content"] if b["type"] == "text"),
+                    [(b["name"], b["input"]) for b in body["content"] if b["type"] == "tool_use"],
+                    body["usage"]["cache_read_input_tokens"])
+        message = body["choices"][0]["message"]
+        return (message["content"] or "", [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                           for c in message.get("tool_calls") or []],
+                body["usage"]["prompt_tokens_details"]["cached_tokens"])
     events = exchange.events()
     kinds = [event.get("type") for event in events]
     assert "error" not in kinds and "response.failed" not in kinds, events
     if route == "/v1/messages":
         assert kinds[-1] == "message_stop", kinds
-        text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta"
-                       and e["delta"]["type"] == "text_delta")
-        return text, events[0]["message"]["usage"]["cache_read_input_tokens"]
+        blocks: dict[int, dict] = {}
+        for event in events:
+            if event["type"] == "content_block_start":
+                blocks[event["index"]] = {**event["content_block"], "text": "", "json": ""}
+            elif event["type"] == "content_block_delta":
+                delta = event["delta"]
+                blocks[event["index"]]["text" if delta["type"] == "text_delta" else "json"] += \
+                    delta.get("text", delta.get("partial_json", ""))
+        return ("".join(b["text"] for b in blocks.values() if b["type"] == "text"),
+                [(b["name"], json.loads(b["json"])) for b in blocks.values() if b["type"] == "tool_use"],
+                events[0]["message"]["usage"]["cache_read_input_tokens"])
     if route == "/v1/responses":
         assert kinds[-1] == "response.completed", kinds
-        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-        return text, events[-1]["response"]["usage"]["input_tokens_details"]["cached_tokens"]
+        items = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        return ("".join(e["delta"] for e in events if e["type"] == "response.output_text.delta"),
+                [(i["name"], json.loads(i["arguments"])) for i in items if i["type"] == "function_call"],
+                events[-1]["response"]["usage"]["input_tokens_details"]["cached_tokens"])
     assert exchange.response.rstrip().endswith(b"data: [DONE]"), exchange.response[-200:]
-    assert [c["choices"][0]["finish_reason"] for c in events if c["choices"] and c["choices"][0]["finish_reason"]] \
-        == ["stop"], events
-    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events if c["choices"])
+    choices = [c["choices"][0] for c in events if c["choices"]]
+    assert [c["finish_reason"] for c in choices if c["finish_reason"]] in (["stop"], ["tool_calls"]), events
+    calls: dict[int, list[str]] = {}
+    for call in (call for c in choices for call in c["delta"].get("tool_calls") or []):
+        name, arguments = calls.setdefault(call["index"], ["", ""])
+        calls[call["index"]] = [name + (call["function"].get("name") or ""),
+                                arguments + (call["function"].get("arguments") or "")]
     usage = [c["usage"] for c in events if c.get("usage")]
-    return text, usage[-1]["prompt_tokens_details"]["cached_tokens"] if usage else 0
+    return ("".join(c["delta"].get("content") or "" for c in choices),
+            [(name, json.loads(arguments)) for name, arguments in calls.values()],
+            usage[-1]["prompt_tokens_details"]["cached_tokens"] if usage else 0)
 
 
 def assistant_turns(body: dict) -> list[str]:
@@ -269,9 +343,59 @@ def test_agent_cli_answers_and_continues(name, server, proxy, tmp_path):
         assert model_calls, [x.path for x in exchanges]
         texts = [streamed(x) for x in model_calls]
         # Every answer the server wrote is the script's, and the CLI printed it.
-        assert [text for text, _ in texts] == [ANSWER] * len(texts)
+        assert [(text, calls) for text, calls, _ in texts] == [(ANSWER, [])] * len(texts)
         assert answer.strip() == ANSWER
         if turn == 1:  # the conversation resent with the first answer as the assistant's, its prefix cached
             main = max(model_calls, key=lambda x: len(x.request))
             assert any(ANSWER in sent for sent in assistant_turns(main.request_json())), main.request_json()
-            assert texts[model_calls.index(main)][1] > 0
+            assert texts[model_calls.index(main)][2] > 0
+
+
+# -- a file-editing task: the agent's shell tool, called by the model through the server -------
+
+COMMAND = "echo world > notes"
+TASK = "Put the word world into the file notes"
+# The agent's shell tool, its command argument, and its command line (allowed to run the tool).
+EDITING = {"claude-code": ("Bash", "command", ["-p", TASK, "--allowedTools=Bash", "--output-format", "json"]),
+           "codex": ("exec_command", "cmd", ["exec", "--dangerously-bypass-approvals-and-sandbox",
+                                             "--skip-git-repo-check", "--json", TASK]),
+           "opencode": ("bash", "command", ["run", "--format", "json", TASK]),
+           "qwen-code": ("run_shell_command", "command", ["--yolo", "-p", TASK, "--output-format", "json"])}
+
+
+@pytest.mark.parametrize("name", list(AGENTS))
+def test_agent_cli_edits_a_file_through_a_tool_call(name, tmp_path):
+    agent = AGENTS[name]
+    if (reason := unsupported()) is not None:
+        pytest.skip(reason)
+    if agent.cli.node and (node_major() or 0) < agent.cli.min_node:
+        pytest.skip(f"{agent.cli.spec} needs node >= {agent.cli.min_node}, this machine has {node_major()}")
+    tool, argument, arguments = EDITING[name]
+    model = tmp_path / "model"
+    scripted_agent_model(model, f'<tool_call>{{"name": "{tool}", "arguments": {{"{argument}": "{COMMAND}"}}}}</tool_call>')
+    server = ServerProcess("--model", str(model), "--served-model-name", MODEL, "--api-key", KEY,
+                           "--num-kv-blocks", "8192", env={"OMP_NUM_THREADS": "1"})
+    recorder = RecordingProxy(server.url)
+    try:
+        home, work = tmp_path / "home", tmp_path / "work"
+        home.mkdir()
+        work.mkdir()
+        (work / "notes").write_text("hello\n")
+        env = {"HOME": str(home), "PATH": os.environ["PATH"], "LANG": "C.UTF-8", "TERM": "dumb", "NO_COLOR": "1"}
+        env |= agent.setup(home, recorder.url)
+        answer = run(agent, arguments, home, work, env)
+        exchanges = recorder.take()
+    finally:
+        recorder.close()
+        assert server.stop() == 0, server.output()
+    assert "Traceback" not in server.output(), server.output()
+    assert [(x.method, x.path, x.status) for x in exchanges if x.status != 200] == [], \
+        [x.response[:500] for x in exchanges if x.status != 200]
+    model_calls = [x for x in exchanges if x.method == "POST" and x.path.split("?")[0] in agent.routes
+                   and not x.client_left]
+    results = [streamed(x) for x in model_calls]
+    # The task: the call streamed as the API's tool call, run by the agent, whose next request
+    # carried the result (the only way the model writes ANSWER), which ended it.
+    assert [calls for _, calls, _ in results if calls] == [[(tool, {argument: COMMAND})]], results
+    assert results[-1][:2] == (ANSWER, []) and answer.strip() == ANSWER
+    assert (work / "notes").read_text() == "world\n"
