@@ -188,9 +188,12 @@ def _thinking(body: CountTokensRequest, reasoning: bool) -> dict[str, Any]:
                 f"thinking.budget_tokens ({body.thinking.budget_tokens}) must be less than max_tokens "
                 f"({body.max_tokens}), which counts the thinking too", "thinking.budget_tokens")
         return {"thinking_token_budget": body.thinking.budget_tokens}
-    fields = effort_fields(body.output_config.effort if body.output_config is not None else None)
+    effort = body.output_config.effort if body.output_config is not None else None
+    fields = effort_fields(effort)
     if not isinstance(body, MessagesRequest):
         fields.pop("thinking_token_budget", None)  # the budget does not change the prompt
+    if effort is not None:  # a model whose prompt carries the effort (harmony's reasoning level)
+        fields["reasoning_effort"] = effort
     return fields
 
 
