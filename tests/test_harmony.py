@@ -3,18 +3,11 @@ openai-harmony itself renders: the analysis channel is the reasoning, the final 
 answer, messages to `functions.NAME` the tool calls, whole and streamed in any pieces; prompts
 carry the tools, instructions and reasoning effort as the library renders them."""
 
-import os
-import sys
-from pathlib import Path
-
+import openai_harmony as harmony
 import pytest
+from harmony_vocab import ensure_o200k
 
-# Without network, openai-harmony reads the o200k vocabulary from a local tiktoken cache.
-_LOCAL_VOCAB = Path(sys.prefix) / ".tiktoken-encodings"
-if "TIKTOKEN_ENCODINGS_BASE" not in os.environ and (_LOCAL_VOCAB / "o200k_base.tiktoken").exists():
-    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(_LOCAL_VOCAB)
-
-harmony = pytest.importorskip("openai_harmony")
+ensure_o200k()  # openai-harmony's o200k vocabulary, offline (tests/harmony_vocab.py)
 
 from roseinfer.reasoning import get_reasoning_parser  # noqa: E402
 from roseinfer.reasoning.harmony import harmony_encoding, render_prompt  # noqa: E402
@@ -23,10 +16,7 @@ from roseinfer.tool_parsers import get_tool_parser  # noqa: E402
 
 @pytest.fixture(scope="module")
 def encoding():
-    try:
-        return harmony_encoding()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
+    return harmony_encoding()
 
 
 def completion(encoding, *messages) -> str:
