@@ -136,3 +136,22 @@ def test_prompt_renders_tools_instructions_and_effort(encoding):
     assert "Reasoning: low" in low
     with pytest.raises(ValueError, match="reasoning_effort must be one of low, medium, high"):
         render_prompt(messages[1:2], reasoning_effort="extreme")
+
+
+def test_gpt_oss_prompts_are_harmonys(encoding):
+    """The chat format the engine picks for gpt-oss: openai-harmony's rendering, the APIs' efforts
+    as harmony's three levels, and the turn ended by <|return|> or <|call|>."""
+    from roseinfer.chat_format import chat_format_for
+    from roseinfer.server.effort import effort_of_budget
+
+    assert chat_format_for("llama") is None
+    chat_format = chat_format_for("gpt_oss")
+    assert (chat_format.reasoning_parser, chat_format.tool_parser) == ("harmony", "harmony")
+    assert sorted(chat_format.stop_token_ids()) == sorted(
+        encoding.encode("<|return|><|call|>", allowed_special="all"))
+    messages = [{"role": "user", "content": "Hi"}]
+    for effort, level in (("none", "low"), ("minimal", "low"), ("medium", "medium"), ("xhigh", "high"), ("max", "high")):
+        assert chat_format.render(messages, None, effort) == render_prompt(messages, reasoning_effort=level)
+    with pytest.raises(ValueError, match="reasoning_effort must be one of"):
+        chat_format.render(messages, None, "extreme")
+    assert [effort_of_budget(b) for b in (0, 512, 513, 2048, 2049)] == ["low", "low", "medium", "medium", "high"]

@@ -4,7 +4,7 @@ output is read by the harmony parsers, through the official `openai` and `anthro
 The model is a tiny random gpt-oss (transformers' own class) with gpt-oss's vocabulary, o200k_harmony
 (tests/harmony_vocab.py builds it offline). The prompt's token ids are compared with
 openai-harmony's rendering of the same conversation. A random model writes no harmony of its own,
-so the output side is teacher-forced: a grammar (the chat route's `structured_outputs`) makes the
+so the output side is teacher-forced: a grammar (`structured_outputs`, ours on all three routes) makes the
 real engine generate a harmony completion token by token, and the response must carry its analysis
 as reasoning and its messages to `functions.NAME` as tool calls, whole and streamed."""
 
@@ -205,3 +205,50 @@ def test_chat_reasoning_and_final_answer(client, encoding):
             reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
             content += c.delta.content or ""
     assert (reasoning, content) == ("The user greets.", "Hello! How can I help?")
+
+
+def test_responses_reasoning_item_and_function_call(client, encoding):
+    grammar = forcing_grammar(encoding, _assistant("Need the weather.", "analysis"),
+                              _call("get_weather", '{"city": "Paris"}'))
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
+              "parameters": TOOLS[0]["function"]["parameters"]}]
+    args = {"model": MODEL, "input": QUESTION, "tools": tools, "temperature": 0, "max_output_tokens": 200,
+            "extra_body": grammar}
+    response = client.responses.create(**args)
+    assert [item.type for item in response.output] == ["reasoning", "function_call"]
+    reasoning, call = response.output
+    assert reasoning.content[0].text == "Need the weather."
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    with client.responses.stream(**args) as stream:
+        final = stream.get_final_response()
+    assert [item.type for item in final.output] == ["reasoning", "function_call"]
+    assert final.output[0].content[0].text == "Need the weather." and final.output[1].name == "get_weather"
+    # The answer after the analysis is the message.
+    answer = client.responses.create(model=MODEL, input="Hi", temperature=0, max_output_tokens=200, extra_body=(
+        forcing_grammar(encoding, _assistant("The user greets.", "analysis"), _assistant("Hello!", "final"))))
+    assert [item.type for item in answer.output] == ["reasoning", "message"]
+    assert answer.output_text == "Hello!" and answer.status == "completed"
+
+
+def test_anthropic_thinking_and_tool_use(claude, encoding):
+    grammar = forcing_grammar(encoding, _assistant("Need the weather.", "analysis"),
+                              _call("get_weather", '{"city": "Paris"}'))
+    args = {"model": MODEL, "max_tokens": 200, "temperature": 0, "extra_body": grammar,
+            "messages": [{"role": "user", "content": QUESTION}],
+            "tools": [{"name": "get_weather", "description": "Weather of a city",
+                       "input_schema": TOOLS[0]["function"]["parameters"]}]}
+    message = claude.messages.create(**args)
+    assert [block.type for block in message.content] == ["thinking", "tool_use"]
+    assert message.content[0].thinking == "Need the weather."
+    assert (message.content[1].name, message.content[1].input) == ("get_weather", {"city": "Paris"})
+    assert message.stop_reason == "tool_use"
+    with claude.messages.stream(**args) as stream:
+        streamed = stream.get_final_message()
+    assert [block.type for block in streamed.content] == ["thinking", "tool_use"]
+    assert streamed.content[0].thinking == "Need the weather." and streamed.content[1].input == {"city": "Paris"}
+    answer = claude.messages.create(model=MODEL, max_tokens=200, temperature=0, messages=[
+        {"role": "user", "content": "Hi"}], extra_body=forcing_grammar(
+        encoding, _assistant("The user greets.", "analysis"), _assistant("Hello!", "final")))
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in answer.content] == [
+        ("thinking", "The user greets."), ("text", "Hello!")]
+    assert answer.stop_reason == "end_turn"

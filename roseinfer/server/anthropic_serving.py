@@ -226,7 +226,8 @@ def chat_request(body: CountTokensRequest, reasoning: bool = False, takes_images
             fields["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": body.output_config.format.schema_}}
         fields.update(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                      top_k=body.top_k, stop=body.stop_sequences, stream=body.stream)
+                      top_k=body.top_k, stop=body.stop_sequences, stream=body.stream,
+                      structured_outputs=body.structured_outputs)
     elif body.tools:
         fields["tool_choice"] = "none"  # the prompt holds the tools whatever the choice
     try:

@@ -131,6 +131,10 @@ def _image_url_part(part: InputImage) -> dict[str, Any]:
 def text_constraint(body: ResponsesRequest) -> StructuredOutputsParams | None:
     """The structured-outputs constraint `text.format` asks for (None: plain text)."""
     fmt = body.text.format if body.text is not None else None
+    if body.structured_outputs is not None:
+        if fmt is not None and fmt.type != "text":
+            raise InvalidRequestError("give text.format or structured_outputs, not both", "structured_outputs")
+        return StructuredOutputsParams.from_dict(body.structured_outputs)
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
