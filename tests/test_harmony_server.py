@@ -233,7 +233,7 @@ def test_responses_reasoning_item_and_function_call(client, encoding):
 def test_anthropic_thinking_and_tool_use(claude, encoding):
     grammar = forcing_grammar(encoding, _assistant("Need the weather.", "analysis"),
                               _call("get_weather", '{"city": "Paris"}'))
-    args = {"model": MODEL, "max_tokens": 200, "temperature": 0, "extra_body": grammar,
+    args = {"model": MODEL, "max_tokens": 200, "extra_body": grammar,
             "messages": [{"role": "user", "content": QUESTION}],
             "tools": [{"name": "get_weather", "description": "Weather of a city",
                        "input_schema": TOOLS[0]["function"]["parameters"]}]}
@@ -246,7 +246,7 @@ def test_anthropic_thinking_and_tool_use(claude, encoding):
         streamed = stream.get_final_message()
     assert [block.type for block in streamed.content] == ["thinking", "tool_use"]
     assert streamed.content[0].thinking == "Need the weather." and streamed.content[1].input == {"city": "Paris"}
-    answer = claude.messages.create(model=MODEL, max_tokens=200, temperature=0, messages=[
+    answer = claude.messages.create(model=MODEL, max_tokens=200, messages=[
         {"role": "user", "content": "Hi"}], extra_body=forcing_grammar(
         encoding, _assistant("The user greets.", "analysis"), _assistant("Hello!", "final")))
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in answer.content] == [
