@@ -3,18 +3,11 @@ openai-harmony itself renders: the analysis channel is the reasoning, the final 
 answer, messages to `functions.NAME` the tool calls, whole and streamed in any pieces; prompts
 carry the tools, instructions and reasoning effort as the library renders them."""
 
-import os
-import sys
-from pathlib import Path
-
+import openai_harmony as harmony
 import pytest
+from harmony_vocab import ensure_o200k
 
-# Without network, openai-harmony reads the o200k vocabulary from a local tiktoken cache.
-_LOCAL_VOCAB = Path(sys.prefix) / ".tiktoken-encodings"
-if "TIKTOKEN_ENCODINGS_BASE" not in os.environ and (_LOCAL_VOCAB / "o200k_base.tiktoken").exists():
-    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(_LOCAL_VOCAB)
-
-harmony = pytest.importorskip("openai_harmony")
+ensure_o200k()  # openai-harmony's o200k vocabulary, offline (tests/harmony_vocab.py)
 
 from roseinfer.reasoning import get_reasoning_parser  # noqa: E402
 from roseinfer.reasoning.harmony import harmony_encoding, render_prompt  # noqa: E402
@@ -23,10 +16,7 @@ from roseinfer.tool_parsers import get_tool_parser  # noqa: E402
 
 @pytest.fixture(scope="module")
 def encoding():
-    try:
-        return harmony_encoding()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
+    return harmony_encoding()
 
 
 def completion(encoding, *messages) -> str:
@@ -146,3 +136,22 @@ def test_prompt_renders_tools_instructions_and_effort(encoding):
     assert "Reasoning: low" in low
     with pytest.raises(ValueError, match="reasoning_effort must be one of low, medium, high"):
         render_prompt(messages[1:2], reasoning_effort="extreme")
+
+
+def test_gpt_oss_prompts_are_harmonys(encoding):
+    """The chat format the engine picks for gpt-oss: openai-harmony's rendering, the APIs' efforts
+    as harmony's three levels, and the turn ended by <|return|> or <|call|>."""
+    from roseinfer.chat_format import chat_format_for
+    from roseinfer.server.effort import effort_of_budget
+
+    assert chat_format_for("llama") is None
+    chat_format = chat_format_for("gpt_oss")
+    assert (chat_format.reasoning_parser, chat_format.tool_parser) == ("harmony", "harmony")
+    assert sorted(chat_format.stop_token_ids()) == sorted(
+        encoding.encode("<|return|><|call|>", allowed_special="all"))
+    messages = [{"role": "user", "content": "Hi"}]
+    for effort, level in (("none", "low"), ("minimal", "low"), ("medium", "medium"), ("xhigh", "high"), ("max", "high")):
+        assert chat_format.render(messages, None, effort) == render_prompt(messages, reasoning_effort=level)
+    with pytest.raises(ValueError, match="reasoning_effort must be one of"):
+        chat_format.render(messages, None, "extreme")
+    assert [effort_of_budget(b) for b in (0, 512, 513, 2048, 2049)] == ["low", "low", "medium", "medium", "high"]

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("roseinfer.models",)),
     ("layers", ("roseinfer.layers", "roseinfer.distributed")),
     ("text", ("roseinfer.structured_output", "roseinfer.tool_parsers", "roseinfer.reasoning",
-              "roseinfer.multimodal", "roseinfer.tokenizer", "roseinfer.gguf_tokenizer", "roseinfer.detokenizer", "roseinfer.chat_template", "roseinfer.special_token_guard")),
+              "roseinfer.multimodal", "roseinfer.tokenizer", "roseinfer.gguf_tokenizer", "roseinfer.detokenizer", "roseinfer.chat_template", "roseinfer.chat_format", "roseinfer.special_token_guard")),
     ("common", ("roseinfer.common",)),
     ("configuration and plain data", ("roseinfer.config", "roseinfer.errors", "roseinfer.sampling_params",
                                       "roseinfer.pooling_params", "roseinfer.outputs", "roseinfer.heap",

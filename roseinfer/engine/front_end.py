@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from roseinfer.chat_format import chat_format_for
 from roseinfer.common.kv_cache_spec import group_pool_sizes, model_kv_cache_groups
 from roseinfer.common.messages import EngineCoreRequest
 from roseinfer.config import EngineConfig
@@ -31,6 +32,11 @@ class EngineFrontEnd:
         plan_engine(config, self.model_config)
         self.config = config
         self.tokenizer = source.tokenizer()
+        # gpt-oss's prompts are harmony's, rendered by its library (chat_format.py); its output
+        # is read by the format's own reasoning parser unless --reasoning-parser names another.
+        self.chat_format = chat_format_for(self.model_config.architecture)
+        if self.chat_format is not None and self.reasoning_parser is None:
+            self.reasoning_parser = get_reasoning_parser(self.chat_format.reasoning_parser)
         self.model_name = config.served_model_name or source.name
         self.max_model_len: int = config.max_model_len
         # A vision-language model's images -> placeholder runs (multimodal/prompt_images.py).
@@ -41,7 +47,8 @@ class EngineFrontEnd:
                                               PoolingParams(config.pooling, config.pooling_normalize),
                                               prompt_images,
                                               MediaPolicy(tuple(config.allowed_media_domains or ()),
-                                                          limit_per_prompt=config.limit_mm_per_prompt))
+                                                          limit_per_prompt=config.limit_mm_per_prompt),
+                                              self.chat_format)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def register_request(self, processed: ProcessedRequest) -> list[EngineCoreRequest]:

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from roseinfer.chat_format import ChatFormat
 from roseinfer.common.messages import EngineCoreRequest, ImageInput, ReasoningSpec
 from roseinfer.config import ModelConfig
 from roseinfer.errors import ContextLengthError, InvalidRequestError
@@ -70,6 +71,9 @@ class ChatPrompt:
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI's function tools, for the template
     parse_special_tokens_in_messages: bool = False
+    # How hard to think, for a model whose chat format renders it into the prompt (harmony's
+    # reasoning level); a chat template's model gets it as a thinking budget instead (server/effort.py).
+    reasoning_effort: str | None = None
 
 
 PromptType = str | Sequence[int] | ChatPrompt
@@ -115,8 +119,11 @@ class InputProcessor:
         self, tokenizer: Tokenizer, model_config: ModelConfig, max_model_len: int,
         reasoning_parser: ReasoningParser | None = None, default_pooling: PoolingParams | None = None,
         prompt_images: PromptImageProcessor | None = None, media_policy: MediaPolicy | None = None,
+        chat_format: ChatFormat | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # A model whose prompts its format's library renders, not the chat template (chat_format.py).
+        self.chat_format = chat_format
         # A vision-language model's way from image parts to placeholder runs (None: text only),
         # and the operator's limits on images (the server's --allowed-media-domains, ...).
         self.prompt_images = prompt_images
@@ -129,10 +136,12 @@ class InputProcessor:
         eos = set(model_config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
+        if chat_format is not None:  # harmony's <|return|> and <|call|> end the assistant's turn
+            eos.update(chat_format.stop_token_ids())
         self.eos_token_ids = sorted(eos)
         self.limits = RequestLimits()
         self.reasoning_parser = reasoning_parser
-        if reasoning_parser is not None:  # checked once, at startup
+        if reasoning_parser is not None and reasoning_parser.token_tags:  # checked once, at startup
             self._thinking_tokens = (self._tag_token(reasoning_parser, reasoning_parser.start_tag),
                                      self._tag_token(reasoning_parser, reasoning_parser.end_tag))
 
@@ -206,6 +215,24 @@ class InputProcessor:
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "messages") from exc
 
+    def _render_format(self, chat: ChatPrompt) -> list[int]:
+        """The prompt's token ids from the model's chat format (harmony for gpt-oss)."""
+        if chat.chat_template_kwargs:
+            raise InvalidRequestError(
+                f"this model's prompts are rendered by its {self.chat_format.name} format, not a chat template, "
+                f"so chat_template_kwargs ({', '.join(sorted(chat.chat_template_kwargs))}) cannot apply; "
+                "reasoning_effort sets how hard it thinks", "chat_template_kwargs")
+        self._take_images(chat.messages)  # a text model: an image part is refused by name
+        if not chat.add_generation_prompt:
+            raise InvalidRequestError(
+                f"this model's {self.chat_format.name} prompts always end where the assistant's turn "
+                "starts; add_generation_prompt must be true", "add_generation_prompt")
+        try:
+            return self.chat_format.render(chat.messages, chat.tools, chat.reasoning_effort)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidRequestError(f"the conversation cannot be rendered as a {self.chat_format.name} "
+                                      f"prompt: {exc}", "messages") from exc
+
     def prompt_token_ids(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(prompt text or None, checked token ids)."""
         text, ids, _ = self._checked_prompt(prompt, add_special_tokens)
@@ -234,7 +261,10 @@ class InputProcessor:
 
     def _tokenize(self, prompt: PromptType, add_special_tokens: bool) -> tuple[str | None, list[int], list[ImageInput]]:
         images: list[ImageInput] = []
-        if isinstance(prompt, ChatPrompt):
+        if isinstance(prompt, ChatPrompt) and self.chat_format is not None:
+            ids = self._render_format(prompt)
+            text = self._check_prompt_chars(self.tokenizer.decode(ids, skip_special_tokens=False), "messages")
+        elif isinstance(prompt, ChatPrompt):
             messages, loaded = self._take_images(prompt.messages)
             rendered = self._render_chat(dataclasses.replace(prompt, messages=messages))
             text = self._check_prompt_chars(rendered.text, "messages")
@@ -341,6 +371,11 @@ class InputProcessor:
                 )
         if params.structured_outputs is not None:
             params.structured_outputs.validate()  # llguidance's own check: a 400 naming the problem
+        if params.thinking_token_budget is not None and self.reasoning_parser is not None \
+                and not self.reasoning_parser.token_tags:
+            raise InvalidRequestError(
+                f"thinking_token_budget cannot bound the {self.reasoning_parser.name} format's thinking "
+                "(its channels are not single tokens); set reasoning_effort instead", "thinking_token_budget")
         if params.thinking_token_budget is not None and self.reasoning_parser is None:
             raise InvalidRequestError(
                 "thinking_token_budget needs a thinking model served with a reasoning parser "
@@ -371,7 +406,7 @@ class InputProcessor:
         """Where the output of a prompt starts (inside the thinking or not), by the prompt's
         end: the same rule, on the same text, as the API's reasoning split."""
         parser = self.reasoning_parser
-        if parser is None:
+        if parser is None or not parser.token_tags:
             return None
         if text is None:  # token ids: their last few tokens hold any tag the prompt ends with
             text = self.tokenizer.decode(token_ids[-16:], skip_special_tokens=False)

@@ -56,6 +56,11 @@ class ReasoningParser(ABC):
     end_tag: ClassVar[str] = "</think>"
     # Where the output starts when the prompt ends with neither tag.
     unopened_phase: ClassVar[Phase]
+    # Whether each tag is one token the engine core follows (a thinking budget, a grammar that
+    # starts after the thinking); harmony's channels are several tokens, so it does not.
+    token_tags: ClassVar[bool] = True
+    # Whether the parser reads special tokens in the output text (the response keeps them).
+    keeps_special_tokens: ClassVar[bool] = False
 
     def initial_phase(self, prompt: str | None) -> Phase:
         """Where the output of a request with this prompt text starts (None: no text known)."""

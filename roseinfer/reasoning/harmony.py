@@ -165,6 +165,8 @@ class HarmonyReasoningParser(ReasoningParser):
     start_tag = "<|channel|>analysis<|message|>"
     end_tag = "<|end|>"
     unopened_phase = Phase.UNDECIDED
+    token_tags = False
+    keeps_special_tokens = True
 
     def split(self, text: str, prompt: str | None = None) -> ReasoningSplit:
         parsed = parse_text(text)
@@ -255,8 +257,11 @@ def render_prompt(
             for call in message.get("tool_calls") or []:
                 function = call["function"]
                 call_names[call.get("id", "")] = function["name"]
+                arguments = function.get("arguments") or "{}"
+                if not isinstance(arguments, str):  # an object (Anthropic's tool_use input): its JSON
+                    arguments = json.dumps(arguments, ensure_ascii=False)
                 rendered.append(
-                    Message.from_role_and_content(Role.ASSISTANT, function.get("arguments") or "{}")
+                    Message.from_role_and_content(Role.ASSISTANT, arguments)
                     .with_channel("commentary").with_recipient(FUNCTIONS + function["name"])
                     .with_content_type("<|constrain|>json")
                 )

@@ -337,7 +337,8 @@ class CountTokensRequest(AnthropicRequestModel):
 
     UNSUPPORTED: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
 
-    _bounded = bounded_nesting("messages", "tools", "system", "output_config", "context_management")
+    _bounded = bounded_nesting("messages", "tools", "system", "output_config", "context_management",
+                               "structured_outputs")
 
     model: str
     messages: Annotated[list[InputMessage], Field(min_length=1)]
@@ -389,6 +390,9 @@ class MessagesRequest(CountTokensRequest):
     top_k: Annotated[int, Field(ge=0)] | None = None  # 0: no top-k
     metadata: Metadata | None = None
     service_tier: str | None = None  # accepted; there is one tier here
+    # Ours, as on the chat route (vLLM's): a constraint by json, regex, choice or grammar (Lark or
+    # GBNF), which output_config.format's JSON schemas cannot say.
+    structured_outputs: dict[str, Any] | None = None
 
 
 # -- responses -------------------------------------------------------------------------------

@@ -188,9 +188,12 @@ def _thinking(body: CountTokensRequest, reasoning: bool) -> dict[str, Any]:
                 f"thinking.budget_tokens ({body.thinking.budget_tokens}) must be less than max_tokens "
                 f"({body.max_tokens}), which counts the thinking too", "thinking.budget_tokens")
         return {"thinking_token_budget": body.thinking.budget_tokens}
-    fields = effort_fields(body.output_config.effort if body.output_config is not None else None)
+    effort = body.output_config.effort if body.output_config is not None else None
+    fields = effort_fields(effort)
     if not isinstance(body, MessagesRequest):
         fields.pop("thinking_token_budget", None)  # the budget does not change the prompt
+    if effort is not None:  # a model whose prompt carries the effort (harmony's reasoning level)
+        fields["reasoning_effort"] = effort
     return fields
 
 
@@ -223,7 +226,8 @@ def chat_request(body: CountTokensRequest, reasoning: bool = False, takes_images
             fields["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": body.output_config.format.schema_}}
         fields.update(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                      top_k=body.top_k, stop=body.stop_sequences, stream=body.stream)
+                      top_k=body.top_k, stop=body.stop_sequences, stream=body.stream,
+                      structured_outputs=body.structured_outputs)
     elif body.tools:
         fields["tool_choice"] = "none"  # the prompt holds the tools whatever the choice
     try:

@@ -25,3 +25,12 @@ def effort_fields(effort: Effort | None) -> dict[str, Any]:
         return {"chat_template_kwargs": {"enable_thinking": False}}
     budget = EFFORT_BUDGETS[effort]
     return {} if budget is None else {"thinking_token_budget": budget}
+
+
+def effort_of_budget(budget: int) -> Effort:
+    """The least effort whose budget holds `budget` thinking tokens, for a model whose thinking
+    cannot be closed after a count of tokens (harmony's: its reasoning level is set instead)."""
+    for effort, limit in EFFORT_BUDGETS.items():
+        if limit is None or budget <= limit:
+            return effort  # type: ignore[return-value]
+    return "high"

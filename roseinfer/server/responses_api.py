@@ -131,6 +131,10 @@ def _image_url_part(part: InputImage) -> dict[str, Any]:
 def text_constraint(body: ResponsesRequest) -> StructuredOutputsParams | None:
     """The structured-outputs constraint `text.format` asks for (None: plain text)."""
     fmt = body.text.format if body.text is not None else None
+    if body.structured_outputs is not None:
+        if fmt is not None and fmt.type != "text":
+            raise InvalidRequestError("give text.format or structured_outputs, not both", "structured_outputs")
+        return StructuredOutputsParams.from_dict(body.structured_outputs)
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -147,7 +151,9 @@ def _thinking(body: ResponsesRequest, reasoning: bool) -> dict[str, Any]:
     parser; without one the effort is ignored, and logged so by the route)."""
     if body.reasoning is None or not reasoning:
         return {}
-    fields = effort_fields(body.reasoning.effort)
+    # The effort itself for a model whose prompt carries it (harmony's reasoning level), and what
+    # it means to a chat template's thinking model.
+    fields = {"reasoning_effort": body.reasoning.effort, **effort_fields(body.reasoning.effort)}
     if body.thinking_token_budget is not None:  # the request's own bound wins over the effort's
         fields["thinking_token_budget"] = body.thinking_token_budget
     return fields
@@ -203,11 +209,12 @@ class ResponsesServing:
                 raise InvalidRequestError('tool_choice "required" or a named function already constrains the '
                                           "output; leave text.format out (or of type text)", "text.format")
             constraint = tool_calling.structured_outputs
+        chat, effort = self.serving.with_effort(chat)
         prompt = ChatPrompt(messages, tools=[tool.model_dump(exclude_none=True) for tool in chat.tools]
-                            if chat.tools else None, chat_template_kwargs=chat.chat_template_kwargs)
+                            if chat.tools else None, chat_template_kwargs=chat.chat_template_kwargs or None,
+                            reasoning_effort=effort)
         params = sampling_params(chat, body.max_output_tokens, None, constraint)
-        if tool_calling is not None and tool_calling.keeps_special_tokens:
-            params.skip_special_tokens = False
+        self.serving.keep_special_tokens(params, tool_calling)
         # max_output_tokens is an upper bound: cut to what fits after the prompt.
         return conversation, NewRequest(new_id("resp"), prompt, params, fit_max_tokens=True), tool_calling
 

@@ -55,7 +55,7 @@ UNSUPPORTED_RESPONSE_FIELDS = {
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 _TEXT_PARTS = ("input_text", "output_text", "refusal", "input_image")
 # Fields whose values may be any JSON: their nesting is bounded as on the chat route.
-_FREE_JSON_FIELDS = ("input", "tools", "text", "metadata", "client_metadata")
+_FREE_JSON_FIELDS = ("input", "tools", "text", "metadata", "client_metadata", "structured_outputs")
 _MEDIA_PARTS = ("input_file", "input_audio")
 
 
@@ -314,6 +314,9 @@ class ResponsesRequest(StrictModel):
     # the most tokens the thinking may take before it is closed.
     reasoning: ReasoningConfig | None = None
     thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
+    # Ours, as on the chat route (vLLM's): a constraint by json, regex, choice or grammar (Lark or
+    # GBNF), which text.format's JSON schemas cannot say.
+    structured_outputs: dict[str, Any] | None = None
     # Refused unless "off" (see UNSUPPORTED_RESPONSE_FIELDS).
     background: bool | None = None
     conversation: Any = None

@@ -20,7 +20,7 @@ from roseinfer.engine.input_processor import ChatPrompt
 from roseinfer.errors import InvalidRequestError
 from roseinfer.outputs import CompletionOutput, RequestOutput
 from roseinfer.sampling_params import RequestOutputKind, SamplingParams
-from roseinfer.server.effort import effort_fields
+from roseinfer.server.effort import effort_fields, effort_of_budget
 from roseinfer.server.error_responses import (
     GenerationError,
     error_event,
@@ -144,8 +144,14 @@ class OpenAIServing:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
-        # tool_choice "auto": the format --tool-call-parser names, else the one the template writes.
-        if tool_call_parser is None:
+        # A model whose own format renders its prompts (gpt-oss: harmony), None: its chat template.
+        self.chat_format = engine.chat_format
+        # tool_choice "auto": the format --tool-call-parser names, else the chat format's, else the
+        # one the template writes.
+        if tool_call_parser is None and self.chat_format is not None:
+            tool_call_parser = self.chat_format.tool_parser
+            logger.info("tool calls: the %s format's (tool parser %r)", self.chat_format.name, tool_call_parser)
+        elif tool_call_parser is None:
             tool_call_parser, found = detect_tool_parser(getattr(self.tokenizer, "chat_template", None))
             logger.info("%s", found)
         self.tool_call_parser = tool_call_parser
@@ -197,23 +203,48 @@ class OpenAIServing:
                     "leave response_format and structured_outputs out", "tool_choice",
                 )
             constraint = tool_calling.structured_outputs
+        body, effort = self.with_effort(body)
+        chat = ChatPrompt(
+            [m.model_dump(exclude_none=True) for m in body.messages], body.add_generation_prompt,
+            body.chat_template_kwargs or None,
+            tools=[tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
+            parse_special_tokens_in_messages=body.parse_special_tokens_in_messages,
+            reasoning_effort=effort,
+        )
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params(body, body.completion_limit, logprobs, constraint)
+        self.keep_special_tokens(params, tool_calling)
+        return [NewRequest(new_id("chatcmpl"), chat, params, cache_salt=body.cache_salt)], tool_calling
+
+    def with_effort(self, body: ChatCompletionRequest) -> tuple[ChatCompletionRequest, str | None]:
+        """The body with its reasoning effort applied, and the effort the prompt itself carries.
+        A chat template's thinking model: the effort becomes a thinking budget or the template's
+        enable_thinking (effort.py). A chat format's (harmony's reasoning level): the effort goes
+        into the prompt, and a thinking budget or enable_thinking=false is read as the nearest
+        effort, since harmony's thinking has no token to close it by."""
+        if self.chat_format is not None and self.reasoning_parser is not None:
+            kwargs = dict(body.chat_template_kwargs or {})
+            thinking = kwargs.pop("enable_thinking", None)
+            effort = body.reasoning_effort
+            if effort is None and body.thinking_token_budget is not None:
+                effort = effort_of_budget(body.thinking_token_budget)
+            if effort is None and thinking is False:
+                effort = "none"
+            return body.model_copy(update={"thinking_token_budget": None, "chat_template_kwargs": kwargs}), effort
         if body.reasoning_effort is not None and self.reasoning_parser is not None:
             effort = effort_fields(body.reasoning_effort)
             body = body.model_copy(update={
                 "thinking_token_budget": body.thinking_token_budget if body.thinking_token_budget is not None
                 else effort.get("thinking_token_budget"),
                 "chat_template_kwargs": effort.get("chat_template_kwargs", {}) | (body.chat_template_kwargs or {})})
-        chat = ChatPrompt(
-            [m.model_dump(exclude_none=True) for m in body.messages], body.add_generation_prompt,
-            body.chat_template_kwargs or None,
-            tools=[tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
-            parse_special_tokens_in_messages=body.parse_special_tokens_in_messages,
-        )
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, body.completion_limit, logprobs, constraint)
-        if tool_calling is not None and tool_calling.keeps_special_tokens:
+        return body, None
+
+    def keep_special_tokens(self, params: SamplingParams, tool_calling: ToolCalling | None) -> None:
+        """Keep special tokens in the output text where a parser reads them (harmony's channels,
+        Mistral's [TOOL_CALLS])."""
+        if (tool_calling is not None and tool_calling.keeps_special_tokens) or \
+                (self.reasoning_parser is not None and self.reasoning_parser.keeps_special_tokens):
             params.skip_special_tokens = False
-        return [NewRequest(new_id("chatcmpl"), chat, params, cache_salt=body.cache_salt)], tool_calling
 
 
 def sse(payload: dict) -> str:

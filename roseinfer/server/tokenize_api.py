@@ -5,7 +5,7 @@ Errors are OpenAI's error object, as vLLM answers these routes with."""
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -22,7 +22,8 @@ from roseinfer.server.protocol import (
     bounded_nesting,
 )
 
-_CHAT_ONLY = ("add_generation_prompt", "chat_template_kwargs", "tools", "parse_special_tokens_in_messages")
+_CHAT_ONLY = ("add_generation_prompt", "chat_template_kwargs", "tools", "parse_special_tokens_in_messages",
+              "reasoning_effort")
 
 
 class TokenizeRequest(StrictModel):
@@ -41,6 +42,8 @@ class TokenizeRequest(StrictModel):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = None
     parse_special_tokens_in_messages: bool = False  # ours, as on the chat route
+    # As on the chat route: a model whose prompt carries it (gpt-oss's harmony) renders it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
     _bounded = bounded_nesting("messages", "tools", "chat_template_kwargs")
 
@@ -88,6 +91,7 @@ def register(app: FastAPI, context: ApiContext) -> None:
             chat_template_kwargs=body.chat_template_kwargs, tools=body.tools,
             tool_choice="none" if body.tools else None,  # the prompt holds the tools whatever the choice
             parse_special_tokens_in_messages=body.parse_special_tokens_in_messages,
+            reasoning_effort=body.reasoning_effort,
         )
         requests, _ = serving.chat_requests(chat)
         return engine.input_processor.tokenize(requests[0].prompt)

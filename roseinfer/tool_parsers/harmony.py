@@ -29,6 +29,7 @@ def _parse(text: str) -> HarmonyParse:
 
 class HarmonyToolParser(ToolParser):
     name = "harmony"
+    keeps_special_tokens = True  # the channels and <|call|> are special tokens
     # A chat template that writes harmony tool calls (tool_parsers/detect.py).
     template_markers = (("<|channel|>", "<|call|>"), ("<|channel|>", "to=functions"))
 
