@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -143,3 +142,73 @@ def test_logits_and_greedy_tokens_match_transformers(models, kind, source):
     assert _greedy(llm, prompts) == _greedy_reference(reference, prompts), f"{kind} ({source})"
     engine = llm.llm_engine
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_shared_layers_read_their_source_pool_and_own_none(models):
+    """Layers 4 and 5 read the keys and values of layers 3 (sliding) and 2 (full): they hold the
+    same pool tensor, the full layers' pools hold 1 KV head of 32, the sliding ones 2 of 16, and
+    the planner counts only the four pools that exist."""
+    from roseinfer.models.hf_config import model_config_from_hf
+
+    llm = LLM(str(models["dense"]), num_kv_blocks=32, quantization="none")
+    config = llm.llm_engine.model_config
+    assert config.kv_shared_layers == {4: 3, 5: 2}
+    assert config.layer_kv_dims == {2: (1, 32), 5: (1, 32)} and (config.num_kv_heads, config.head_dim) == (2, 16)
+    caches = llm.llm_engine.model_runner.kv_caches
+    assert caches[4] is caches[3] and caches[5] is caches[2]
+    assert [tuple(cache.shape[-2:]) for cache in caches] == [(2, 16), (2, 16), (1, 32), (2, 16), (2, 16), (1, 32)]
+    assert len({id(cache) for cache in caches}) == 4
+    hf = model_config_from_hf(models["dense"])
+    # Per block of 4 tokens in float32: keys and values of 2 x 16 (three sliding pools), 1 x 32 (one full).
+    assert hf.kv_block_bytes(4, torch.float32, layers=[0, 1, 3, 4]) == 3 * 2 * 4 * 32 * 4
+    assert hf.kv_block_bytes(4, torch.float32, layers=[2, 5]) == 2 * 4 * 32 * 4
+
+
+def test_config_from_both_files(models):
+    from roseinfer.models.gguf_file import GGUFFile
+    from roseinfer.models.gguf_loader import model_config_from_gguf
+    from roseinfer.models.hf_config import model_config_from_hf
+
+    for kind in ("dense", "moe"):
+        hf, gguf = model_config_from_hf(models[kind]), model_config_from_gguf(GGUFFile(models[f"{kind}.gguf"]))
+        for field in ("architecture", "layer_types", "sliding_window", "final_logit_softcapping", "num_layers",
+                      "head_dim", "num_kv_heads", "layer_kv_dims", "kv_shared_layers", "moe", "vocab_size"):
+            assert getattr(hf, field) == getattr(gguf, field), f"{kind}: {field}"
+        assert hf.family_options["mlp_widths"] == gguf.family_options["mlp_widths"] == [96] * 4 + [192] * 2
+        for key in ("k_eq_v", "per_layer_input_size", "per_layer_vocab_size"):
+            assert hf.family_options[key] == gguf.family_options[key], f"{kind}: {key}"
+        for kind_of_layer, rope in hf.family_options["rope"].items():
+            assert rope["theta"] == gguf.family_options["rope"][kind_of_layer]["theta"]
+            assert rope["fraction"] == gguf.family_options["rope"][kind_of_layer]["fraction"]
+
+
+def test_chat_template_and_thinking_render_as_transformers(models):
+    """Gemma 4's own template (llama.cpp's copy of google/gemma-4-31B-it's): system turn, several
+    turns, an answer that kept its thinking (stripped on render), tools, and thinking on and off."""
+    from roseinfer.tokenizer import Tokenizer
+
+    template = llama_cpp_chat_template("google-gemma-4-31B-it")
+    reference = transformers.AutoTokenizer.from_pretrained(models["dense"])
+    ours = Tokenizer.from_pretrained_dir(models["dense"])
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City"}},
+                           "required": ["city"]}}}
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    chat = [{"role": "user", "content": "Hi! Café?"},
+            {"role": "assistant", "content": "<|channel>thought\nhmm<channel|>Hello."},
+            {"role": "user", "content": "A joke."}]
+    conversations = [
+        (chat, {}),
+        (chat, {"enable_thinking": True}),
+        (chat, {"enable_thinking": False}),
+        ([{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"}], {"enable_thinking": True}),
+        ([{"role": "user", "content": "Weather in Paris?"}, call,
+          {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], {"tools": [tool]}),
+    ]
+    assert assert_chat_renders_as_transformers(ours, reference, template, conversations) == 10
+    ours = Tokenizer(ours.backend, chat_template=template, bos_token=ours.bos_token, eos_token=ours.eos_token)
+    thinking = ours.apply_chat_template(chat, enable_thinking=True)
+    assert thinking.startswith("<bos><|turn>system\n<|think|>") and thinking.endswith("<|turn>model\n")
+    plain = ours.apply_chat_template(chat)
+    assert plain.endswith("<|turn>model\n<|channel>thought\n<channel|>") and "hmm" not in plain
