@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -136,22 +137,46 @@ class ModelConfig:
     # --dtype auto follows on the CPU where it runs fast; None for GGUF files (float32 activations).
     checkpoint_dtype: str | None = None
     vision: VisionConfig | None = None  # a vision-language model's image encoder
+    # Layers whose keys and values differ in shape from num_kv_heads x head_dim (Gemma 4's
+    # full-attention layers: fewer, 512-wide heads): layer -> (KV heads, head size).
+    layer_kv_dims: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Layers that attend over an earlier layer's keys and values instead of computing their own
+    # (Gemma 4's last num_kv_shared_layers): layer -> the layer whose KV pool it reads. They own
+    # no pool of their own (see kv_pool_layers).
+    kv_shared_layers: dict[int, int] = field(default_factory=dict)
 
-    def kv_row_elements(self, dtype: torch.dtype) -> int:
-        """Pool elements of one token's keys (or values) for one KV head: head_dim, or for a q8_0
-        pool (int8) head_dim codes then a float16 scale (2 bytes) per 32 of them."""
-        return self.head_dim + self.head_dim // 16 if dtype == torch.int8 else self.head_dim
+    def layer_kv_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head size) of a layer's keys and values."""
+        return self.layer_kv_dims.get(layer, (self.num_kv_heads, self.head_dim))
+
+    def kv_pool_layers(self, layers: Iterable[int] | None = None) -> list[int]:
+        """The layers (of `layers`, default all) that own a KV pool: all but the shared ones."""
+        layers = range(self.num_layers) if layers is None else layers
+        return [layer for layer in layers if layer not in self.kv_shared_layers]
+
+    def kv_row_elements(self, dtype: torch.dtype, head_dim: int | None = None) -> int:
+        """Pool elements of one token's keys (or values) for one KV head: head_dim (default the
+        model's), or for a q8_0 pool (int8) head_dim codes then a float16 scale (2 bytes) per 32."""
+        head_dim = head_dim or self.head_dim
+        return head_dim + head_dim // 16 if dtype == torch.int8 else head_dim
 
     def kv_block_bytes(
-        self, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1, num_layers: int | None = None
+        self, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1, num_layers: int | None = None,
+        layers: Iterable[int] | None = None,
     ) -> int:
-        """Bytes one KV block takes across all layers (or `num_layers` of them: a KV cache group's),
-        keys and values, on one rank (with tensor parallelism a rank holds only its KV heads; the
-        rank with the most of them counts)."""
+        """Bytes one KV block takes across all layers (or `num_layers` of them, or the `layers`
+        listed: a KV cache group's), keys and values, on one rank (with tensor parallelism a rank
+        holds only its KV heads; the rank with the most of them counts). Layers that share another
+        layer's pool take no bytes of their own."""
         element = torch.tensor([], dtype=dtype).element_size()
-        heads = -(-self.num_kv_heads // tensor_parallel_size)
-        layers = self.num_layers if num_layers is None else num_layers
-        return 2 * layers * block_size * heads * self.kv_row_elements(dtype) * element
+        if layers is None and num_layers is not None:
+            layers = range(num_layers)
+        total = 0
+        for layer in self.kv_pool_layers(layers):
+            kv_heads, head_dim = self.layer_kv_shape(layer)
+            heads = -(-kv_heads // tensor_parallel_size)
+            total += 2 * block_size * heads * self.kv_row_elements(dtype, head_dim) * element
+        return total
 
     @property
     def layer_windows(self) -> list[int | None]:

@@ -29,10 +29,11 @@ def plan_engine(config: EngineConfig, model_config: ModelConfig) -> None:
         _plan_recurrent(config, model_config)
     if config.dtype == "auto":
         config.dtype = _auto_dtype(config, model_config)
-    if config.kv_cache_torch_dtype == torch.int8 and model_config.head_dim % 32:
+    head_dims = {model_config.layer_kv_shape(layer)[1] for layer in model_config.kv_pool_layers()}
+    if config.kv_cache_torch_dtype == torch.int8 and any(head_dim % 32 for head_dim in head_dims):
         raise InvalidRequestError(
-            f"kv_cache_dtype q8_0 needs a head size that is a multiple of 32; this model's is {model_config.head_dim}",
-            "kv_cache_dtype",
+            "kv_cache_dtype q8_0 needs a head size that is a multiple of 32; this model's is "
+            f"{' and '.join(map(str, sorted(head_dims)))}", "kv_cache_dtype",
         )
     kv_dtype, dtype = config.kv_cache_torch_dtype, config.torch_dtype
     if config.torch_device.type == "cpu" and dtype != torch.float32 and kv_dtype not in (dtype, torch.int8):
@@ -64,9 +65,9 @@ def plan_engine(config: EngineConfig, model_config: ModelConfig) -> None:
             f"{model_config.architecture}'s layers are all one kind (use num_kv_blocks)", "num_kv_blocks_sliding",
         )
     full_block = model_config.kv_block_bytes(config.block_size, kv_dtype, config.tensor_parallel_size,
-                                             len(paged[0].layers))
+                                             layers=paged[0].layers)
     sliding_block = model_config.kv_block_bytes(config.block_size, kv_dtype, config.tensor_parallel_size,
-                                                sum(len(spec.layers) for spec in paged[1:]))
+                                                layers=[layer for spec in paged[1:] for layer in spec.layers])
     usable = config.max_num_seqs * -(-held // config.block_size)
     # A sequence holds at most this many blocks in a sliding group (see common/kv_cache_spec.py).
     sliding_usable = 0

@@ -15,6 +15,7 @@ from roseinfer.layers.linear import LinearLayerKernels, WeightParts, prepare_lin
 from roseinfer.layers.parallel import VocabParallelEmbedding
 from roseinfer.layers.rotary import RotaryEmbedding
 from roseinfer.models.gemma import GemmaForCausalLM
+from roseinfer.models.gemma4 import Gemma4ForCausalLM
 from roseinfer.models.gpt2 import GPT2LMHeadModel
 from roseinfer.models.gpt_oss import GptOssForCausalLM
 from roseinfer.models.granite_hybrid import GraniteHybridForCausalLM
@@ -30,6 +31,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gpt2": GPT2LMHeadModel,
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
+    "gemma4": Gemma4ForCausalLM,  # text: dense and MoE (models/gemma4.py)
     "phi3": Phi3ForCausalLM,
     "moe": MoeForCausalLM,
     "qwen3_5": Qwen35ForCausalLM,  # and Qwen3.5-MoE, Qwen3-Next

@@ -59,8 +59,6 @@ class ModelRunner:
         # recurrent layer's "pool" is its state tensors, a slot per sequence (state_pools.py). Each
         # request has a block table per group.
         tp = get_tp_group()
-        kv_heads = partition(model_config.num_kv_heads, tp.size, tp.rank)[1]
-        row = model_config.kv_row_elements(config.kv_cache_torch_dtype)  # head_dim, or q8_0's codes and scales
         self.groups = model_kv_cache_groups(model_config)
         self.paged_groups = [index for index, group in enumerate(self.groups) if group.paged]
         self.group_windows = [self.groups[index].window for index in self.paged_groups]
@@ -74,12 +72,18 @@ class ModelRunner:
             self.state_pools = StatePools(recurrent_state_spec(rec.kind, rec.params, rec.layers),
                                           self.group_num_blocks[self.recurrent_group], self.dtype, self.device,
                                           zeroed_untouched)
-        self.kv_caches = [
-            self.state_pools.pools[layer] if self.state_pools is not None and layer in self.state_pools.pools
-            else zeroed_untouched((2, self.group_num_blocks[group], self.block_size, kv_heads, row),
-                                  config.kv_cache_torch_dtype, self.device)
-            for layer, group in enumerate(self.layer_groups)
-        ]
+        self.kv_caches: list[torch.Tensor] = []
+        for layer, group in enumerate(self.layer_groups):
+            if self.state_pools is not None and layer in self.state_pools.pools:
+                self.kv_caches.append(self.state_pools.pools[layer])
+            elif layer in model_config.kv_shared_layers:  # reads an earlier layer's pool (Gemma 4)
+                self.kv_caches.append(self.kv_caches[model_config.kv_shared_layers[layer]])
+            else:
+                kv_heads, head_dim = model_config.layer_kv_shape(layer)
+                kv_heads = partition(kv_heads, tp.size, tp.rank)[1]
+                row = model_config.kv_row_elements(config.kv_cache_torch_dtype, head_dim)  # or q8_0's codes, scales
+                self.kv_caches.append(zeroed_untouched((2, self.group_num_blocks[group], self.block_size, kv_heads,
+                                                        row), config.kv_cache_torch_dtype, self.device))
         self.sampler = Sampler()
         self.sampling_inputs = SamplingInputs(self.device, self.vocab_size)
         # The engine's one attention backend (--attention-backend, the device, whether the C++
