@@ -22,7 +22,12 @@ from hypothesis.stateful import invariant, precondition, rule
 from kv_cache_machine import RequestLifecycleMachine
 
 from roseinfer.common.kv_cache_spec import KVCacheGroupSpec, group_pool_sizes, kv_cache_groups
-from roseinfer.core.kv_cache import BlockCopy, KVCacheCoordinator, KVCacheManager, RecurrentStateManager
+from roseinfer.core.kv_cache import (
+    BlockCopy,
+    KVCacheCoordinator,
+    KVCacheManager,
+    RecurrentStateManager,
+)
 
 FULL_BLOCKS = 12
 SLOTS = 3
