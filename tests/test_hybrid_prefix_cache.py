@@ -76,7 +76,7 @@ def test_chunks_preemption_and_evicted_snapshots_stay_right(hybrid):
     base = hybrid.prompts[2]  # 150 tokens
     prompts = [base, base[:100] + [9, 8, 7], base + [4, 5], base[:40]]
     expected = [_reference(hybrid.reference, prompt) for prompt in prompts]
-    llm = LLM(str(hybrid.hf_dir), dtype="float32", block_size=BLOCK, max_num_batched_tokens=24, num_kv_blocks=24,
+    llm = LLM(str(hybrid.hf_dir), dtype="float32", block_size=BLOCK, max_num_batched_tokens=24, num_kv_blocks=14,
               num_state_snapshots=1, **EXACT)
     assert [tokens for tokens, _ in _generate(llm, prompts)] == expected
     assert llm.llm_engine.scheduler.stats.num_preemptions > 0
