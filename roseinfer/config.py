@@ -300,6 +300,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes computed before
+    # A model with recurrent layers: how many state snapshots at block boundaries the prefix cache
+    # keeps (core/kv_cache/recurrent_state.py). None: as many as a quarter of --kv-cache-memory holds,
+    # up to 4 per sequence (core/kv_pool_plan.py); 0: none (no prefix caching for such a model).
+    num_state_snapshots: int | None = None
     attention_backend: str = "auto"  # auto | cpp (compiled CPU decode kernel) | torch (SDPA)
     seed: int = 0
     served_model_name: str | None = None
@@ -345,6 +349,8 @@ class EngineConfig:
             raise bad("num_kv_blocks", f"must be at least 1, got {self.num_kv_blocks}")
         if self.num_kv_blocks_sliding is not None and self.num_kv_blocks_sliding < 1:
             raise bad("num_kv_blocks_sliding", f"must be at least 1, got {self.num_kv_blocks_sliding}")
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise bad("num_state_snapshots", f"must be at least 0, got {self.num_state_snapshots}")
         if self.max_num_seqs < 1:
             raise bad("max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is None:

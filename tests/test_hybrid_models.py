@@ -4,8 +4,8 @@ Granite 4 and Nemotron-H (Mamba2, models/granite_hybrid.py, models/nemotron_h.py
 Face directories and converted to GGUF by llama.cpp's own converter. roseinfer's greedy tokens
 equal transformers' and its logits (teacher forced) are within float32 tolerance, from both files,
 over batches of prompts of different lengths (one longer than a 64-token block of the chunked
-prefill), with chunked prefill and with preemption; prefix caching is off for these models, n > 1
-right, speculative decoding and tensor parallelism refused, a failed step's requests ended. The chunked delta rule against its token-by-token recurrence;
+prefill), with chunked prefill and with preemption; prompts repeated and extended under prefix
+caching (state snapshots, tests/test_hybrid_prefix_cache.py) and n > 1 right, speculative decoding and tensor parallelism refused, a failed step's requests ended. The chunked delta rule against its token-by-token recurrence;
 the state pools."""
 
 from __future__ import annotations
@@ -190,13 +190,13 @@ def test_chunked_prefill_and_preemption(tiny_hybrid, source):
     assert llm.llm_engine.scheduler.stats.num_preemptions > 0
 
 
-def test_prefix_caching_is_off_and_repeated_prompts_stay_right(tiny_hybrid, caplog):
-    """A cached prefix's blocks cannot give a recurrent layer its state: the engine turns prefix
-    caching off (saying why), and a prompt asked again, alone, extended or with n > 1, is answered
-    right."""
+def test_prefix_caching_keeps_snapshots_and_repeated_prompts_stay_right(tiny_hybrid, caplog):
+    """A cached prefix's blocks cannot give a recurrent layer its state: the prefix cache keeps
+    state snapshots at block boundaries (saying how many), and a prompt asked again, alone,
+    extended or with n > 1, is answered right."""
     with caplog.at_level(logging.INFO, logger="roseinfer"):
         llm = LLM(str(tiny_hybrid.hf_dir), dtype="float32", enable_prefix_caching=True, **EXACT)
-    assert "prefix caching is off" in caplog.text
+    assert "snapshots of the recurrent state" in caplog.text
     long_prompt, expected = tiny_hybrid.prompts[2], tiny_hybrid.expected[2]
     assert _greedy(llm, [long_prompt]) == [expected]
     assert _greedy(llm, [long_prompt]) == [expected]

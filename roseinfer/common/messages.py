@@ -160,6 +160,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     # (src, dst) before the step; (src, dst, group) for a KV cache group other than the first.
     blocks_to_copy: list[tuple[int, ...]] = field(default_factory=list)
+    # (state slot, snapshot slot) of the recurrent group after the step's forward: the prefix
+    # cache's state snapshots (core/kv_cache/recurrent_state.py).
+    states_to_save: list[tuple[int, int]] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # the runner forgets these
     # Structured outputs: the allowed next tokens of the constrained requests that sample this
     # step, one int32 row of bits each (bit t set: token t allowed), and request id -> row.

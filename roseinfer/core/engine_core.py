@@ -42,7 +42,7 @@ def kv_cache_coordinator(config: EngineConfig, model_config: ModelConfig) -> KVC
     specs = model_kv_cache_groups(model_config)
     sizes = group_pool_sizes(specs, config.num_kv_blocks, config.num_kv_blocks_sliding, config.max_num_seqs)
     return KVCacheCoordinator.from_specs(specs, sizes, config.block_size, config.enable_prefix_caching,
-                                         config.max_num_seqs)
+                                         config.max_num_seqs, config.num_state_snapshots or 0)
 
 
 class EngineCore:

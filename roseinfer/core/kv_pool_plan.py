@@ -25,10 +25,10 @@ def plan_engine(config: EngineConfig, model_config: ModelConfig) -> None:
     --kv-cache-memory (per rank under tensor parallelism). The pool's memory is committed only
     as blocks are first written."""
     check_tensor_parallel(model_config, config.tensor_parallel_size)
-    if model_config.recurrent is not None:
-        _plan_recurrent(config, model_config)
     if config.dtype == "auto":
         config.dtype = _auto_dtype(config, model_config)
+    if model_config.recurrent is not None:
+        _plan_recurrent(config, model_config)
     head_dims = {model_config.layer_kv_shape(layer)[1] for layer in model_config.kv_pool_layers()}
     if config.kv_cache_torch_dtype == torch.int8 and any(head_dim % 32 for head_dim in head_dims):
         raise InvalidRequestError(
@@ -112,18 +112,17 @@ def plan_engine(config: EngineConfig, model_config: ModelConfig) -> None:
         length = capacity
     config.max_model_len = length
 
+
 def _plan_recurrent(config: EngineConfig, model_config: ModelConfig) -> None:
     """A hybrid model's recurrent layers keep one state per sequence, not per block: a cached
-    prefix's blocks cannot give the state after it (no snapshots at block boundaries yet), and a
-    rejected draft token cannot be taken back out of it (no rollback yet); their layers are not cut
-    across ranks yet."""
-    if config.enable_prefix_caching:
-        logger.info("prefix caching is off: %s's recurrent layers (%s) keep no state snapshots at block "
-                    "boundaries yet, so a cached prefix could not be resumed", model_config.architecture,
-                    model_config.recurrent.kind)
-        config.enable_prefix_caching = False
+    prefix's blocks cannot give the state after it, so the prefix cache keeps snapshots of states at
+    block boundaries (core/kv_cache/recurrent_state.py), as many as `num_state_snapshots` or, by
+    default, as a quarter of the KV cache memory holds (up to SNAPSHOTS_PER_SEQUENCE per sequence);
+    where not even one fits, prefix caching is off, and the log says why. A rejected draft token
+    cannot be taken back out of a state (no rollback yet), and the layers are not cut across ranks."""
     rec = model_config.recurrent
     per_sequence = recurrent_state_spec(rec.kind, rec.params, rec.layers).slot_bytes(config.torch_dtype)
+    _plan_state_snapshots(config, model_config, per_sequence)
     logger.info("recurrent state: %.1f MiB per sequence (%d %s layers), up to %.0f MiB for %d sequences",
                 per_sequence / 2**20, len(rec.layers), rec.kind, per_sequence * (config.max_num_seqs + 1) / 2**20,
                 config.max_num_seqs)
@@ -137,6 +136,36 @@ def _plan_recurrent(config: EngineConfig, model_config: ModelConfig) -> None:
             f"speculative decoding is not supported for {model_config.architecture}: its recurrent layers "
             f"({model_config.recurrent.kind}) cannot roll back rejected draft tokens yet", "speculative_config",
         )
+
+
+SNAPSHOTS_PER_SEQUENCE = 4  # the default snapshot pool's most: prompt chunks' and prompts' ends
+SNAPSHOT_MEMORY_SHARE = 0.25  # of the KV cache memory, the most the default snapshot pool takes
+
+
+def _plan_state_snapshots(config: EngineConfig, model_config: ModelConfig, slot_bytes: int) -> None:
+    """Size the prefix cache's state snapshot pool (config.num_state_snapshots), or turn prefix
+    caching off for this model where no snapshot is kept, saying why."""
+    name, kind = model_config.architecture, model_config.recurrent.kind
+    if not config.enable_prefix_caching:
+        config.num_state_snapshots = 0
+        return
+    if config.num_state_snapshots is None:
+        budget = SNAPSHOT_MEMORY_SHARE * (config.kv_cache_memory or config.DEFAULT_KV_CACHE_GIB) * GIB
+        config.num_state_snapshots = min(SNAPSHOTS_PER_SEQUENCE * config.max_num_seqs, int(budget // slot_bytes))
+        if not config.num_state_snapshots:
+            logger.warning(
+                "prefix caching is off: one snapshot of %s's recurrent state (%s layers) takes %.1f MiB, more than "
+                "the snapshot budget of %.1f MiB (a quarter of --kv-cache-memory); raise --kv-cache-memory to "
+                "resume cached prefixes", name, kind, slot_bytes / 2**20, budget / 2**20)
+    elif not config.num_state_snapshots:
+        logger.info("prefix caching is off: num_state_snapshots 0 keeps no snapshot of %s's recurrent state "
+                    "(%s layers), so a cached prefix could not be resumed", name, kind)
+    if not config.num_state_snapshots:
+        config.enable_prefix_caching = False
+        return
+    logger.info("prefix caching keeps up to %d snapshots of the recurrent state at block boundaries "
+                "(%.1f MiB each, up to %.0f MiB, committed as written)", config.num_state_snapshots,
+                slot_bytes / 2**20, config.num_state_snapshots * slot_bytes / 2**20)
 
 
 def _auto_dtype(config: EngineConfig, model_config: ModelConfig) -> str:

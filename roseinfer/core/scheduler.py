@@ -149,7 +149,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self.kv_cache.align_prefill(request.num_computed_tokens, min(
+                request.num_tokens - request.num_computed_tokens, budget), request.num_prompt_tokens)
             drafts = []
             if speculate and num_new == 1 and not request.is_pooling:
                 room = min(request.max_tokens - request.num_output_tokens - 1, budget - 1)
@@ -180,8 +181,10 @@ class Scheduler:
                 continue
             cached = self._cached_prefix(request)
             num_cached = self.kv_cache.cached_tokens(cached)
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv_cache.allocate_slots(request.request_id, num_cached, num_new, cached):
+            num_new = self.kv_cache.align_prefill(num_cached, min(request.num_tokens - num_cached, budget),
+                                                  request.num_prompt_tokens)
+            if not self.kv_cache.allocate_slots(request.request_id, num_cached, num_new, cached,
+                                                request.num_prompt_tokens):
                 if not self.running:  # nothing will ever free blocks for it
                     self._unschedulable = request
                 break
@@ -208,7 +211,8 @@ class Scheduler:
         return self.kv_cache.find_cached_prefix(request.token_ids, request.cache_salt, request.kv_variant)
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
-        while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
+        while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens, num_new,
+                                               num_prompt_tokens=request.num_prompt_tokens):
             victim = self.running.pop()  # the newest running request
             self._preempt(victim)
             self._preempted_this_step = True
@@ -260,6 +264,7 @@ class Scheduler:
         # Copies name their KV cache group (its pool) where it is not group 0.
         out.blocks_to_copy = [(c.src, c.dst, c.group) if c.group else (c.src, c.dst)
                               for c in self.kv_cache.take_pending_copies()]
+        out.states_to_save = [(c.src, c.dst) for c in self.kv_cache.take_state_saves()]
         if self.structured_output is not None:
             sampling = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens and not r.is_pooling]
             out.grammar_bitmask, out.structured_output_request_ids = self.structured_output.bitmask(sampling)
@@ -289,7 +294,8 @@ class Scheduler:
         runner replaces what it holds of them, however far the failed step got), the same tokens
         to compute, and the step's block copies and finished ids (both safe to apply twice)."""
         out = SchedulerOutput(finished_req_ids=list(scheduled.finished_req_ids),
-                              blocks_to_copy=list(scheduled.blocks_to_copy))
+                              blocks_to_copy=list(scheduled.blocks_to_copy),
+                              states_to_save=list(scheduled.states_to_save))
         for req_id in req_ids:
             request = self.requests[req_id]
             out.scheduled_new_reqs.append(self._new_request_data(request, self.kv_cache.block_table(req_id)))

@@ -69,9 +69,11 @@ class ModelRunner:
         self.state_pools: StatePools | None = None
         if self.recurrent_group is not None:
             rec = model_config.recurrent
-            self.state_pools = StatePools(recurrent_state_spec(rec.kind, rec.params, rec.layers),
-                                          self.group_num_blocks[self.recurrent_group], self.dtype, self.device,
-                                          zeroed_untouched)
+            # The sequences' slots, then the prefix cache's snapshot slots (core/kv_cache/recurrent_state.py).
+            num_slots = self.group_num_blocks[self.recurrent_group] + (
+                config.num_state_snapshots or 0 if config.enable_prefix_caching else 0)
+            self.state_pools = StatePools(recurrent_state_spec(rec.kind, rec.params, rec.layers), num_slots,
+                                          self.dtype, self.device, zeroed_untouched)
         self.kv_caches: list[torch.Tensor] = []
         for layer, group in enumerate(self.layer_groups):
             if self.state_pools is not None and layer in self.state_pools.pools:
@@ -127,6 +129,7 @@ class ModelRunner:
                 inputs.input_ids, inputs.positions, [g.slot_mapping for g in groups],
                 [g.decode_block_tables for g in groups], meta.decode_context_lens, self.kv_caches, meta.long_rope,
             )
+            self._save_states(scheduler_output)
         else:
             if inputs.image_rows is not None:  # the placeholders' rows from the encoder, the rest looked up
                 embeds = self.model.embed_input_ids(inputs.input_ids)
@@ -135,6 +138,7 @@ class ModelRunner:
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
             pooled = pool_hidden_states(hidden, inputs.pooling)  # before lm_head, which pooling rows skip
+            self._save_states(scheduler_output)
             if not inputs.sampling:
                 clock.lap("forward")
                 return ModelRunnerOutput(pooled=pooled)
@@ -157,6 +161,7 @@ class ModelRunner:
         tests and debugging; nothing is sampled). Under tensor parallelism only rank 0 gets them."""
         inputs = self.prepare_inputs(scheduler_output)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        self._save_states(scheduler_output)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         return logits, [state.req_id for state in inputs.sampling]
 
@@ -189,7 +194,8 @@ class ModelRunner:
         return self.input_batch.build(scheduled, scheduler_output.scheduled_spec_decode_tokens)
 
     def _copy_blocks(self, copies: list[tuple[int, ...]]) -> None:
-        """(src, dst) in the pools of KV cache group 0, (src, dst, group) in another group's."""
+        """(src, dst) in the pools of KV cache group 0, (src, dst, group) in another group's; in the
+        recurrent group's, state slots (a prefix hit's snapshot into its sequence's slot)."""
         for group in self.paged_groups:
             mine = [c for c in copies if (c[2] if len(c) > 2 else 0) == group]
             if not mine:
@@ -199,6 +205,14 @@ class ModelRunner:
             for cache, layer_group in zip(self.kv_caches, self.layer_groups, strict=True):
                 if layer_group == group:
                     cache[:, dst] = cache[:, src]
+        states = [(c[0], c[1]) for c in copies if len(c) > 2 and c[2] == self.recurrent_group]
+        if states:
+            self.state_pools.copy(states)
+
+    def _save_states(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's state snapshots, after its forward wrote the states they copy."""
+        if scheduler_output.states_to_save:
+            self.state_pools.copy(scheduler_output.states_to_save)
 
     # -- sampling -------------------------------------------------------------------------
     def sample(

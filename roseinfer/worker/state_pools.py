@@ -3,7 +3,7 @@ RecurrentStateSpec, one sequence's) times the slots, `[num_slots, *shape]` per t
 coordinator hands out the slots (a recurrent group's block table is `[slot]`: the same slot in every
 recurrent layer, from admission to finish or preemption); the runner zeroes a slot when a sequence
 starts from position 0 (new, or recomputed after preemption), since it may hold a finished one's
-state."""
+state. Past the sequences' slots lie the prefix cache's snapshot slots, filled and read by `copy`."""
 
 from __future__ import annotations
 
@@ -32,3 +32,12 @@ class StatePools:
         for tensors in self.pools.values():
             for tensor in tensors:
                 tensor.index_fill_(0, index, 0)
+
+    def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy slot src into slot dst in every layer, for each (src, dst): all read before any is
+        written (a state saved into a snapshot slot, a snapshot restored into a sequence's slot)."""
+        src = torch.tensor([pair[0] for pair in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([pair[1] for pair in pairs], dtype=torch.int64, device=self.device)
+        for tensors in self.pools.values():
+            for tensor in tensors:
+                tensor.index_copy_(0, dst, tensor.index_select(0, src))

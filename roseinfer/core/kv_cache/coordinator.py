@@ -7,8 +7,14 @@ A request gets room only when every group has it (else nothing changes and it wa
 preempted), and its block table is one list per group, in the groups' order. Prefix caching keys
 are the same chained keys in every paged group (the same tokens give each group's layers the same
 K/V); a hit of L tokens needs the full group's blocks of the whole prefix and each sliding group's
-blocks of its window before L. A model with a recurrent group takes no hits (its state after a
-cached prefix was never kept) and forks no prompts.
+blocks of its window before L.
+
+A model with a recurrent group resumes a prefix only where a snapshot of its state was kept at the
+prefix's last block boundary (recurrent_state.py): the hit is the longest cached prefix that ends
+at a registered snapshot. Snapshots are taken where a prompt's step ends on a block boundary, and
+`align_prefill` makes prompt chunks end on them: a chunk cut by the token budget ends at a block
+boundary, and a prompt's last full block ends a chunk of its own. Without snapshot slots (the pool
+plan found them too costly) such a model takes no hits. It forks no prompts either way.
 """
 
 from __future__ import annotations
@@ -53,12 +59,13 @@ class SingleKindManager(Protocol):
 
 def group_manager(
     spec: KVCacheGroupSpec, size: int, group: int, block_size: int, enable_prefix_caching: bool, max_num_seqs: int,
-    only_attention_group: bool,
+    only_attention_group: bool, num_state_snapshots: int = 0,
 ) -> SingleKindManager:
-    """The manager of one group: `size` blocks (or state slots). A sliding window on every attention
-    layer (Mistral) keeps the full-attention manager with that span, as one group."""
+    """The manager of one group: `size` blocks (or state slots, with `num_state_snapshots` snapshot
+    slots beside them where prefix caching is on). A sliding window on every attention layer
+    (Mistral) keeps the full-attention manager with that span, as one group."""
     if spec.kind == "recurrent":
-        return RecurrentStateManager(size, group)
+        return RecurrentStateManager(size, group, num_state_snapshots if enable_prefix_caching else 0)
     if spec.kind == "sliding" and not only_attention_group:
         return SlidingWindowManager(size, block_size, spec.window, enable_prefix_caching, max_num_seqs, group)
     return KVCacheManager(size, block_size, enable_prefix_caching, max_num_seqs, spec.window, group)
@@ -75,11 +82,15 @@ class KVCacheCoordinator:
         if [group.group for group in self.groups] != list(range(len(self.groups))):
             raise ValueError("the groups' indices must be their places in the coordinator")
         self.block_size = self.paged[0].block_size
-        self.recurrent = any(isinstance(group, RecurrentStateManager) for group in self.groups)
-        self.enable_prefix_caching = self.paged[0].enable_prefix_caching and not self.recurrent
-        if self.paged[0].enable_prefix_caching and self.recurrent:
-            logger.info("prefix caching finds nothing for this model: its recurrent layers keep no state "
-                        "snapshots at block boundaries, so a cached prefix could not be resumed")
+        self.state = next((group for group in self.groups if isinstance(group, RecurrentStateManager)), None)
+        self.recurrent = self.state is not None
+        self.enable_prefix_caching = self.paged[0].enable_prefix_caching and (
+            self.state is None or self.state.num_snapshots > 0)
+        if self.paged[0].enable_prefix_caching and self.state is not None and not self.state.num_snapshots:
+            logger.info("prefix caching finds nothing for this model: its recurrent layers have no state "
+                        "snapshot slots, so a cached prefix could not be resumed")
+        # Whether steps keep state snapshots at block boundaries (recurrent_state.py).
+        self.snapshots = self.state is not None and self.enable_prefix_caching
         # n > 1: whether a group's other sequences may share the first one's computed prompt.
         self.shares_prompts = not self.recurrent
         self.prefix_stats = PrefixCacheStats()
@@ -87,10 +98,11 @@ class KVCacheCoordinator:
     @classmethod
     def from_specs(
         cls, specs: Sequence[KVCacheGroupSpec], sizes: Sequence[int], block_size: int,
-        enable_prefix_caching: bool = True, max_num_seqs: int = 1,
+        enable_prefix_caching: bool = True, max_num_seqs: int = 1, num_state_snapshots: int = 0,
     ) -> KVCacheCoordinator:
         only = sum(spec.paged for spec in specs) == 1
-        return cls([group_manager(spec, size, group, block_size, enable_prefix_caching, max_num_seqs, only)
+        return cls([group_manager(spec, size, group, block_size, enable_prefix_caching, max_num_seqs, only,
+                                  num_state_snapshots)
                     for group, (spec, size) in enumerate(zip(specs, sizes, strict=True))])
 
     # -- queries --------------------------------------------------------------------------
@@ -135,11 +147,16 @@ class KVCacheCoordinator:
             return [full.find_cached_prefix(token_ids, cache_salt, variant)]
         keys = full.prefix_keys(token_ids, cache_salt, variant)
         found = full.cached_run(keys)
-        sliding = [(group, group.cached_blocks(keys[: len(found)])) for group in self.groups[1:]]
+        sliding = [(group, group.cached_blocks(keys[: len(found)])) for group in self.paged[1:]]
         for hit in range(len(found), 0, -1):
-            tables = [group.window_hit(cached, hit) for group, cached in sliding]
-            if all(table is not None for table in tables):
-                return [found[:hit], *tables]
+            snapshot = self.state.snapshot(keys[hit - 1]) if self.state is not None else None
+            if self.state is not None and snapshot is None:
+                continue  # the recurrent layers could not resume here
+            tables = iter([group.window_hit(cached, hit) for group, cached in sliding])
+            hit_tables = [found[:hit] if index == 0 else [snapshot] if group is self.state else next(tables)
+                          for index, group in enumerate(self.groups)]
+            if all(table is not None for table in hit_tables):
+                return hit_tables
         return none
 
     def record_prefix_lookup(self, num_tokens: int, num_cached_tokens: int) -> None:
@@ -156,10 +173,31 @@ class KVCacheCoordinator:
             return
         for group in self.groups:
             group.cache_computed_blocks(request_id, token_ids, num_computed, cache_salt, variant)
+        if self.snapshots:  # under the full group's keys of the request's blocks
+            self.state.register_snapshots(request_id, self.paged[0].block_keys(request_id), self.block_size,
+                                          num_computed)
+
+    def align_prefill(self, num_computed: int, num_new: int, num_prompt_tokens: int) -> int:
+        """How many of `num_new` prompt tokens after `num_computed` a step computes so that it ends
+        where a state snapshot can be kept (a model with recurrent layers and prefix caching): at
+        the prompt's last full block, and a chunk the budget cut short at its last block boundary.
+        Unchanged otherwise."""
+        if not self.snapshots or num_computed >= num_prompt_tokens:
+            return num_new
+        end = num_computed + num_new
+        last_full = num_prompt_tokens // self.block_size * self.block_size
+        if num_computed < last_full < end:
+            return last_full - num_computed
+        if end < num_prompt_tokens:
+            aligned = end // self.block_size * self.block_size
+            if aligned > num_computed:
+                return aligned - num_computed
+        return num_new
 
     # -- allocation -----------------------------------------------------------------------
     def allocate_slots(
-        self, request_id: int, num_computed: int, num_new: int, cached_blocks: Sequence[Sequence[int]] = ()
+        self, request_id: int, num_computed: int, num_new: int, cached_blocks: Sequence[Sequence[int]] = (),
+        num_prompt_tokens: int | None = None,
     ) -> bool:
         """Make room for `num_new` tokens written after `num_computed` cached ones, in every group
         or (returning False, changing nothing but the release of blocks behind a window) in none.
@@ -177,6 +215,10 @@ class KVCacheCoordinator:
             plans.append(plan)
         for group, plan in zip(self.groups, plans, strict=True):
             group.commit_slots(request_id, plan)
+        end = num_computed + num_new
+        if (self.snapshots and num_prompt_tokens is not None and num_new > 0 and end % self.block_size == 0
+                and end <= num_prompt_tokens):
+            self.state.schedule_snapshot(request_id, end)
         return True
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -197,7 +239,13 @@ class KVCacheCoordinator:
             group.free(request_id)
 
     def take_pending_copies(self) -> list[BlockCopy]:
+        """Copies the runner makes before the step's forward: copy-on-write blocks, and snapshots
+        into new requests' state slots."""
         return [copy for group in self.groups for copy in group.take_pending_copies()]
+
+    def take_state_saves(self) -> list[BlockCopy]:
+        """Copies the runner makes after the step's forward: sequences' states into snapshot slots."""
+        return self.state.take_saves() if self.state is not None else []
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no request holds."""

@@ -127,6 +127,10 @@ class KVCacheManager:
         """The keys of the blocks a prefix hit may use: those that end before the last token."""
         return self._chain(token_ids, [], (len(token_ids) - 1) // self.block_size, cache_salt, variant)
 
+    def block_keys(self, request_id: int) -> list[BlockKey]:
+        """The keys of the request's blocks registered so far (full and computed), in order."""
+        return self._keys.get(request_id, [])
+
     def cached_run(self, keys: Sequence[BlockKey]) -> list[int]:
         """The cached blocks of the longest run of `keys` from the first."""
         blocks: list[int] = []
