@@ -1,0 +1,176 @@
+"""Ollama's API end to end: one real `roseinfer serve` (with an API key, the hermes tool-call
+parser and --allow-pull against a Hub stand-in) driven by the official `ollama` client, checked
+against the same server's OpenAI routes (the official `openai` client): the same greedy and seeded
+text, the same prompt tokens, the same embeddings."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import ollama
+import openai
+import pytest
+from hub_standin import HubStandin
+from live_server import ServerProcess
+from support import EXACT_FLAGS
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY = "ollama-test-key"
+SYSTEM = "You are a helpful assistant. Answer briefly."
+QUESTION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name three colours of the rainbow."}]
+GREEDY = {"temperature": 0, "num_predict": 24}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def hub() -> Iterator[HubStandin]:
+    with HubStandin() as standin:
+        standin.add_repo("rose/pull-GGUF", {"pull-Q4_K_M.gguf": b"GGUF" + bytes(range(256)) * 8})
+        yield standin
+
+
+@pytest.fixture(scope="module")
+def server(hub, tmp_path_factory) -> Iterator[ServerProcess]:
+    env = {"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path_factory.mktemp("hf-cache")), "HF_HUB_OFFLINE": "0"}
+    process = ServerProcess(*EXACT_FLAGS, "--api-key", KEY, "--tool-call-parser", "hermes", "--allow-pull", env=env)
+    yield process
+    assert process.stop() == 0, process.output()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> ollama.Client:
+    return ollama.Client(host=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def oa(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def test_chat_answers_the_openai_routes_greedy_text_whole_and_streamed(client, oa):
+    reference = oa.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
+    text = reference.choices[0].message.content
+    whole = client.chat(model=MODEL, messages=QUESTION, options=GREEDY, stream=False)
+    assert whole.message.role == "assistant" and whole.message.content == text
+    assert whole.done and whole.done_reason == ("length" if reference.choices[0].finish_reason == "length" else "stop")
+    assert (whole.prompt_eval_count, whole.eval_count) == (reference.usage.prompt_tokens,
+                                                           reference.usage.completion_tokens)
+    chunks = list(client.chat(model=MODEL, messages=QUESTION, options=GREEDY, stream=True))
+    assert len(chunks) > 3 and [c.done for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert "".join(c.message.content for c in chunks) == text
+    assert chunks[-1].eval_count == reference.usage.completion_tokens
+    # /api/generate: the prompt in the chat template as a user turn (with `system`), or raw.
+    generated = client.generate(model=MODEL, system=SYSTEM, prompt=QUESTION[1]["content"], options=GREEDY)
+    assert generated.response == text
+    raw_reference = oa.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=12)
+    raw = client.generate(model=MODEL, prompt="The capital of France is", raw=True,
+                          options={"temperature": 0, "num_predict": 12})
+    assert raw.response == raw_reference.choices[0].text
+    streamed = "".join(c.response for c in client.generate(model=MODEL, prompt="The capital of France is", raw=True,
+                                                            options={"temperature": 0, "num_predict": 12},
+                                                            stream=True))
+    assert streamed == raw.response
+
+
+def test_options_map_to_the_same_sampling(client, oa):
+    options = {"temperature": 0.9, "top_k": 20, "top_p": 0.8, "seed": 7, "num_predict": 20, "stop": ["."],
+               "presence_penalty": 0.5, "num_gpu": 99, "num_thread": 2}
+    ours = client.chat(model=MODEL, messages=QUESTION, options=options)
+    reference = oa.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0.9, top_p=0.8, seed=7,
+                                           max_tokens=20, stop=["."], presence_penalty=0.5,
+                                           extra_body={"top_k": 20})
+    assert ours.message.content == reference.choices[0].message.content
+    # num_ctx beyond the server's context is clamped to it; below it, prompt and answer must fit.
+    big = client.chat(model=MODEL, messages=QUESTION, options=GREEDY | {"num_ctx": 1 << 20})
+    assert big.message.content == client.chat(model=MODEL, messages=QUESTION, options=GREEDY).message.content
+    prompt = big.prompt_eval_count
+    tight = client.chat(model=MODEL, messages=QUESTION, options=GREEDY | {"num_ctx": prompt + 3})
+    assert tight.eval_count == 3 and tight.done_reason == "length"
+    with pytest.raises(ollama.ResponseError, match=f"the prompt has {prompt} tokens.*num_ctx 10") as error:
+        client.chat(model=MODEL, messages=QUESTION, options=GREEDY | {"num_ctx": 10})
+    assert error.value.status_code == 400
+
+
+def test_format_json_and_a_schema_constrain_the_answer(client):
+    answer = client.chat(model=MODEL, messages=[{"role": "user", "content": "Give a JSON object with a cat's name."}],
+                         format="json", options={"temperature": 0, "num_predict": 300})
+    assert answer.done_reason == "stop" and isinstance(json.loads(answer.message.content), dict)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    answer = client.chat(model=MODEL, messages=[{"role": "user", "content": "Describe a person."}], format=schema,
+                         options={"temperature": 0, "num_predict": 60})
+    jsonschema.validate(json.loads(answer.message.content), schema)
+
+
+def test_tools_reach_the_template_and_the_tool_turns_as_openai_messages(client, oa):
+    ask = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    ours = client.chat(model=MODEL, messages=ask, tools=[WEATHER], options=GREEDY)
+    reference = oa.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], temperature=0, max_tokens=24)
+    assert ours.message.content == (reference.choices[0].message.content or "")
+    assert [c.function.name for c in ours.message.tool_calls or []] == [
+        c.function.name for c in reference.choices[0].message.tool_calls or []]
+    assert ours.prompt_eval_count == reference.usage.prompt_tokens
+    # A tool call and its result, in Ollama's shape (arguments an object, the result by tool_name).
+    conversation = [*ask, {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_name": "get_weather", "content": "18 C and sunny"}]
+    ours = client.chat(model=MODEL, messages=conversation, tools=[WEATHER], options=GREEDY)
+    as_openai = [*ask, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1_0", "name": "get_weather", "content": "18 C and sunny"}]
+    reference = oa.chat.completions.create(model=MODEL, messages=as_openai, tools=[WEATHER], temperature=0,
+                                           max_tokens=24)
+    assert ours.prompt_eval_count == reference.usage.prompt_tokens
+    assert ours.message.content == (reference.choices[0].message.content or "")
+
+
+def test_list_show_ps_version_and_embed(client, oa, server):
+    (listed,) = client.list().models
+    assert listed.model == MODEL and listed.size > 50_000_000 and listed.details.format == "gguf"
+    assert listed.details.family == "llama" and listed.details.quantization_level == "Q4_1"
+    shown = client.show(MODEL)
+    assert {"completion", "tools", "embedding"} <= set(shown.capabilities)
+    assert shown.modelinfo["general.architecture"] == "llama" and "{% for" in shown.template
+    assert 100e6 < shown.modelinfo["general.parameter_count"] < 200e6
+    (running,) = client.ps().models
+    assert running.model == MODEL and running.context_length > 0
+    version = httpx.get(server.url + "/api/version", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert version["version"].count(".") == 2
+    inputs = ["The sky is blue.", "Cats purr."]
+    ours = client.embed(model=MODEL, input=inputs).embeddings
+    reference = [d.embedding for d in oa.embeddings.create(model=MODEL, input=inputs).data]
+    assert len(ours) == 2 and all(abs(a - b) < 1e-6 for x, y in zip(ours, reference, strict=True)
+                                  for a, b in zip(x, y, strict=True))
+
+
+def test_pull_fetches_into_the_cache(client, hub):
+    progress = list(client.pull("hf.co/rose/pull-GGUF:Q4_K_M", stream=True))
+    assert progress[0].status == "pulling manifest" and progress[-1].status == "success"
+    assert any(p.startswith("/cdn/") for p in hub.paths("GET"))
+    with pytest.raises(ollama.ResponseError, match="rose/nothing not found"):
+        client.pull("rose/nothing", stream=False)
+
+
+def test_bad_input_is_a_clear_error_in_ollamas_shape(client, server):
+    cases = [
+        (lambda: client.chat(model="llama3", messages=QUESTION), 404, "model 'llama3' not found"),
+        (lambda: client.chat(model=MODEL, messages=QUESTION, options={"foo": 1}), 400, "unknown option.*foo"),
+        (lambda: client.chat(model=MODEL, messages=QUESTION, options={"mirostat": 2}), 400, "mirostat=2"),
+        (lambda: client.chat(model=MODEL, messages=QUESTION, think=True), 400, "does not support thinking"),
+        (lambda: client.chat(model=MODEL, messages=QUESTION, format="xml"), 400, "format must be"),
+        (lambda: client.generate(model=MODEL, prompt="hi", suffix="end"), 400, "suffix"),
+    ]
+    for call, status, message in cases:
+        with pytest.raises(ollama.ResponseError, match=message) as error:
+            call()
+        assert error.value.status_code == status
+    unauthorized = ollama.Client(host=server.url, timeout=30)
+    with pytest.raises(ollama.ResponseError) as error:
+        unauthorized.list()
+    assert error.value.status_code == 401 and isinstance(error.value.error, str)
