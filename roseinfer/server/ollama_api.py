@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from roseinfer.engine.async_llm import NewRequest
-from roseinfer.errors import InvalidRequestError, RoseInferError
+from roseinfer.errors import InvalidRequestError, ModelLoadError
 from roseinfer.outputs import TokenLogprob
 from roseinfer.reasoning import ReasoningDelta
 from roseinfer.server.api_family import ApiContext, ApiError, unless_disconnected
@@ -104,7 +104,7 @@ class ModelFacts:
             from roseinfer.models.model_store import quant_of
 
             self.quant = quant_of(self.path.name) or (max(types, key=types.get) if types else "")
-            self.format, self.family = "gguf", gguf.architecture()
+            self.format, self.family = "gguf", gguf.architecture
         else:
             self.format, self.family = "safetensors", config.architecture
         self.size = sum(p.stat().st_size for p in files)
@@ -473,18 +473,18 @@ def register(app: FastAPI, context: ApiContext) -> None:
 
         async def progress() -> AsyncIterator[dict[str, Any]]:
             yield {"status": "pulling manifest"}
-            path = await asyncio.get_running_loop().run_in_executor(None, lambda: pull(ref, progress=False))
+            try:
+                path = await asyncio.get_running_loop().run_in_executor(None, lambda: pull(ref, progress=False))
+            except ModelLoadError as exc:  # what is not there, a failed download: the client's to fix
+                raise InvalidRequestError(str(exc), "model") from exc
             size = path.stat().st_size if path.is_file() else 0
             yield {"status": "verifying sha256 digest", "total": size, "completed": size}
             yield {"status": "success"}
 
         if body.stream:
             return StreamingResponse(ndjson(progress()), media_type="application/x-ndjson")
-        try:
-            async for value in progress():
-                last = value
-        except RoseInferError:
-            raise
+        async for value in progress():
+            last = value
         return JSONResponse(last)
 
     app.include_router(router)
