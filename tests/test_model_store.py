@@ -191,3 +191,19 @@ def test_a_cut_download_resumes_where_it_stopped(hub, hub_env):
     assert path.read_bytes() == big
     gets = [(p, r) for m, p, r in hub.requests if m == "GET" and p.startswith("/cdn/")]
     assert [r for _, r in gets] == [None, f"bytes={10 << 20}-"]
+
+
+def test_roseinfer_pull_prints_the_path(hub, hub_env, tiny_ggufs):
+    import os
+    import subprocess
+    import sys
+
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-m", "roseinfer.cli", "pull", f"hf.co/{REPO}:Q4_K_M"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    path = Path(done.stdout.strip().splitlines()[-1])
+    assert hub_env in path.parents and _sha256(path) == _sha256(tiny_ggufs["Q4_K_M"])
+    local = subprocess.run([sys.executable, "-m", "roseinfer.cli", "pull", "./model.gguf"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert local.returncode == 2 and "is not a Hub model reference" in local.stderr
