@@ -15,7 +15,13 @@ import openai
 import pytest
 from hub_standin import HubStandin
 from live_server import ServerProcess
-from support import EXACT_FLAGS
+from support import (
+    EXACT_FLAGS,
+    QWEN3_THINKING_CHAT_TEMPLATE,
+    THINKING_MODEL,
+    THINKING_SERVER_FLAGS,
+    tiny_qwen3_thinking_model,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "ollama-test-key"
@@ -179,3 +185,33 @@ def test_bad_input_is_a_clear_error_in_ollamas_shape(client, server):
     with pytest.raises(ollama.ResponseError) as error:
         unauthorized.list()
     assert error.value.status_code == 401 and isinstance(error.value.error, str)
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    path = tmp_path_factory.mktemp("qwen3-thinking")
+    tiny_qwen3_thinking_model(path, QWEN3_THINKING_CHAT_TEMPLATE)
+    process = ServerProcess("--model", str(path), *THINKING_SERVER_FLAGS)
+    yield process
+    assert process.stop() == 0, process.output()
+
+
+def test_think_splits_the_thinking_as_the_openai_route_does(thinking_server):
+    client = ollama.Client(host=thinking_server.url, timeout=120)
+    oa = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    ask = [{"role": "user", "content": "What is two plus two?"}]
+    options = {"temperature": 0, "num_predict": 16}
+    reference = oa.chat.completions.create(model=THINKING_MODEL, messages=ask, temperature=0, max_tokens=16)
+    thinking = (reference.choices[0].message.model_extra or {}).get("reasoning_content")
+    assert thinking
+    ours = client.chat(model=THINKING_MODEL, messages=ask, think=True, options=options)
+    assert ours.message.thinking == thinking and ours.message.content == (reference.choices[0].message.content or "")
+    chunks = list(client.chat(model=THINKING_MODEL, messages=ask, think=True, options=options, stream=True))
+    assert "".join(c.message.thinking or "" for c in chunks) == thinking
+    assert "".join(c.message.content for c in chunks) == ours.message.content
+    # think: false is the template's enable_thinking=false, as the OpenAI route's chat_template_kwargs.
+    off = client.chat(model=THINKING_MODEL, messages=ask, think=False, options=options)
+    off_reference = oa.chat.completions.create(model=THINKING_MODEL, messages=ask, temperature=0, max_tokens=16,
+                                               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.prompt_eval_count == off_reference.usage.prompt_tokens
+    assert off.message.content == (off_reference.choices[0].message.content or "")

@@ -29,7 +29,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from roseinfer.engine.async_llm import NewRequest
 from roseinfer.errors import InvalidRequestError, ModelLoadError
@@ -51,6 +51,7 @@ from roseinfer.server.ollama_protocol import (
     openai_messages,
     sampling_fields,
 )
+from roseinfer.server.openapi import _ERRORS, _RETRY_AFTER, finish_document
 from roseinfer.server.protocol import ChatCompletionRequest, CompletionRequest
 from roseinfer.server.serving import OpenAIServing, Submitted, log_stream_failure
 from roseinfer.tool_parsers import ContentDelta, ToolCallDelta
@@ -60,6 +61,31 @@ logger = logging.getLogger("roseinfer.server")
 PATH_PREFIX = "/api/"
 OLLAMA_VERSION = "0.12.0"  # the version of Ollama's API these routes follow (clients check a minimum)
 STARTED = datetime.now(UTC)
+
+
+class OllamaError(BaseModel):
+    """Every error on the Ollama routes (and the last line of a stream that failed)."""
+
+    error: str
+
+
+_OLLAMA_ERRORS = _ERRORS | {403: "Pulling is off on this server (start it with --allow-pull)."}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` entries for these error statuses, in Ollama's error shape."""
+    return {status: {"model": OllamaError, "description": _OLLAMA_ERRORS[status]}
+            | ({"headers": _RETRY_AFTER} if status == 503 else {}) for status in statuses}
+
+
+def _streamed(what: str) -> dict[int | str, dict[str, Any]]:
+    """The 200 response of a route that answers one JSON object, or (stream: true, the default)
+    NDJSON: one object per line."""
+    return {200: {"description": f"{what}: with `stream: true` (the default) NDJSON, one object per line, the "
+                                 "last one `done: true` (or an {\"error\"} line); with `stream: false` the whole "
+                                 "response as one object",
+                  "content": {"application/json": {"schema": {"type": "object"}},
+                              "application/x-ndjson": {"schema": {"type": "object"}}}}}
 
 
 def _now() -> str:
@@ -237,17 +263,15 @@ def register(app: FastAPI, context: ApiContext) -> None:
                            generate: bool) -> AsyncIterator[dict[str, Any]]:
         """Ollama's chunks for a chat (or templated generate) request: each step's text, the
         thinking apart, tool calls whole once they are complete, then the final chunk."""
-        reasoning = serving.reasoning_parser.stream(None) if serving.reasoning_parser is not None else None
+        reasoning = None  # the thinking model's splitter, made for the prompt its first output names
         tools = submitted.tool_calling.stream() if submitted.tool_calling is not None else None
         calls: dict[int, _Call] = {}
-        first = True
         async for output in serving.outputs(submitted):
             (piece,) = output.outputs
             if piece.error is not None:
                 raise generation_failure(piece)
-            if first and reasoning is not None:
+            if reasoning is None and serving.reasoning_parser is not None:
                 reasoning = serving.reasoning_parser.stream(output.prompt)
-                first = False
             thinking, answer = "", piece.text
             if reasoning is not None:
                 split = reasoning.feed(piece.text)
@@ -351,7 +375,7 @@ def register(app: FastAPI, context: ApiContext) -> None:
         value = chunk(generate, "", "", None, None) | {"done": True, "done_reason": "load"}
         return JSONResponse(value)
 
-    @router.post("/api/chat")
+    @router.post("/api/chat", responses=_streamed("The answer") | _errors(400, 401, 404, 408, 413, 500, 503))
     async def api_chat(body: ChatBody, request: Request) -> Response:
         check_model(body.model)
         started = time.monotonic()
@@ -365,7 +389,7 @@ def register(app: FastAPI, context: ApiContext) -> None:
         submitted = await serving.submit("/api/chat", "chatcmpl", requests, 1, tool_calling)
         return await respond(request, chat_outputs(submitted, chat, started, False), body.stream, False)
 
-    @router.post("/api/generate")
+    @router.post("/api/generate", responses=_streamed("The answer") | _errors(400, 401, 404, 408, 413, 500, 503))
     async def api_generate(body: GenerateBody, request: Request) -> Response:
         check_model(body.model)
         started = time.monotonic()
@@ -408,7 +432,7 @@ def register(app: FastAPI, context: ApiContext) -> None:
         submitted = await serving.submit("/api/generate", "cmpl", requests, 1, tool_calling)
         return await respond(request, chat_outputs(submitted, chat, started, True), body.stream, True)
 
-    @router.post("/api/embed")
+    @router.post("/api/embed", responses=_errors(400, 401, 404, 408, 413, 500, 503))
     async def api_embed(body: EmbedBody, request: Request) -> Response:
         check_model(body.model)
         started = time.monotonic()
@@ -421,18 +445,18 @@ def register(app: FastAPI, context: ApiContext) -> None:
                              "total_duration": int((time.monotonic() - started) * 1e9), "load_duration": 0,
                              "prompt_eval_count": tokens})
 
-    @router.get("/api/tags")
+    @router.get("/api/tags", responses=_errors(401))
     async def api_tags() -> dict[str, Any]:
         return {"models": [model_facts().tag()]}
 
-    @router.get("/api/ps")
+    @router.get("/api/ps", responses=_errors(401))
     async def api_ps() -> dict[str, Any]:
         facts_ = model_facts()
         never = "2318-01-01T00:00:00Z"  # loaded for as long as the server runs (Ollama's "forever")
         return {"models": [facts_.tag() | {"expires_at": never, "size_vram": 0 if engine.config.device == "cpu"
                                            else facts_.size, "context_length": facts_.context_length}]}
 
-    @router.post("/api/show")
+    @router.post("/api/show", responses=_errors(400, 401, 404, 413))
     async def api_show(body: ShowBody) -> dict[str, Any]:
         name = body.model or body.name
         if not name:
@@ -453,11 +477,11 @@ def register(app: FastAPI, context: ApiContext) -> None:
                 "template": template, "details": facts_.details(), "model_info": info,
                 "capabilities": capabilities, "modified_at": facts_.modified_at}
 
-    @router.get("/api/version")
+    @router.get("/api/version", responses=_errors(401))
     async def api_version() -> dict[str, str]:
         return {"version": OLLAMA_VERSION}
 
-    @router.post("/api/pull")
+    @router.post("/api/pull", responses=_streamed("The progress") | _errors(400, 401, 403, 413))
     async def api_pull(body: PullBody) -> Response:
         name = body.model or body.name
         if not name:
@@ -488,5 +512,6 @@ def register(app: FastAPI, context: ApiContext) -> None:
         return JSONResponse(last)
 
     app.include_router(router)
+    finish_document(app, extra_models=[OllamaError])
     app.add_middleware(ErrorReshape, prefix=PATH_PREFIX, reshape=_reshaped)
 
