@@ -85,6 +85,9 @@ def hub(tiny_ggufs):
                                 "tiny-F16.gguf": tiny_ggufs["F16"]} | shards)
         standin.add_repo(GATED, {"tiny-Q4_K_M.gguf": tiny_ggufs["Q4_K_M"]}, gated_token=TOKEN)
         standin.add_repo("rose/evil-GGUF", {"../../evil-Q4_K_M.gguf": b"GGUF"})
+        hf_dir = tiny_ggufs["Q8_0"].parent / "hf"  # the transformers model the GGUFs were written from
+        standin.add_repo("rose/tiny-hf", {p.name: p for p in hf_dir.iterdir() if p.is_file()}
+                         | {"pytorch_model.bin": b"never fetched", "README.md": b"# tiny\n"})
         yield standin
 
 
@@ -207,3 +210,18 @@ def test_roseinfer_pull_prints_the_path(hub, hub_env, tiny_ggufs):
     local = subprocess.run([sys.executable, "-m", "roseinfer.cli", "pull", "./model.gguf"], env=env,
                            capture_output=True, text=True, timeout=300)
     assert local.returncode == 2 and "is not a Hub model reference" in local.stderr
+
+
+def test_a_transformers_repo_by_name_loads_its_safetensors(hub, hub_env, tiny_ggufs):
+    from roseinfer.engine.llm import LLM
+    from roseinfer.sampling_params import SamplingParams
+
+    path, _ = resolve_model("rose/tiny-hf")
+    local = tiny_ggufs["Q8_0"].parent / "hf"
+    assert path.is_dir() and (path / "config.json").is_file() and not (path / "pytorch_model.bin").exists()
+    assert {p.name for p in path.iterdir()} == {p.name for p in local.iterdir() if p.suffix != ".md"} - {"README.md"}
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = [list(LLM(model, num_kv_blocks=16).generate(prompt_token_ids=[[5, 9, 30, 31]], sampling_params=greedy,
+                                                         use_tqdm=False)[0].outputs[0].token_ids)
+              for model in ("rose/tiny-hf", str(local))]
+    assert tokens[0] == tokens[1]
