@@ -23,6 +23,9 @@ from support import (
     tiny_qwen3_thinking_model,
 )
 
+from roseinfer.server.ollama_api import _tool_calls
+from roseinfer.tool_parsers import ToolCall
+
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "ollama-test-key"
 SYSTEM = "You are a helpful assistant. Answer briefly."
@@ -215,3 +218,74 @@ def test_think_splits_the_thinking_as_the_openai_route_does(thinking_server):
                                                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert off.prompt_eval_count == off_reference.usage.prompt_tokens
     assert off.message.content == (off_reference.choices[0].message.content or "")
+
+
+# The keys and JSON types of the example responses in Ollama's API reference (docs/api.md of
+# ollama/ollama): every one of them must be in our response, with the same type.
+NUMBERS = {"total_duration": int, "load_duration": int, "prompt_eval_count": int, "prompt_eval_duration": int,
+           "eval_count": int, "eval_duration": int}
+MESSAGE = {"role": str, "content": str}
+DETAILS = {"parent_model": str, "format": str, "family": str, "families": list, "parameter_size": str,
+           "quantization_level": str}
+DOCUMENTED = {
+    "chat": {"model": str, "created_at": str, "message": MESSAGE, "done": bool, "done_reason": str} | NUMBERS,
+    "chat chunk": {"model": str, "created_at": str, "message": MESSAGE, "done": bool},
+    "chat tool call": {"message": {"role": str, "content": str, "tool_calls": [{"function": {
+        "name": str, "arguments": dict}}]}, "done": bool},
+    "load": {"model": str, "created_at": str, "message": MESSAGE, "done_reason": str, "done": bool},
+    "generate": {"model": str, "created_at": str, "response": str, "done": bool, "done_reason": str} | NUMBERS,
+    "generate chunk": {"model": str, "created_at": str, "response": str, "done": bool},
+    "tags": {"models": [{"name": str, "modified_at": str, "size": int, "digest": str, "details": DETAILS}]},
+    "show": {"modelfile": str, "parameters": str, "template": str, "details": DETAILS,
+             "model_info": {"general.architecture": str, "general.parameter_count": int, "llama.context_length": int}},
+    "ps": {"models": [{"name": str, "model": str, "size": int, "digest": str, "details": DETAILS,
+                       "expires_at": str, "size_vram": int}]},
+    "embed": {"model": str, "embeddings": [[float]], "total_duration": int, "load_duration": int,
+              "prompt_eval_count": int},
+    "embeddings": {"embedding": [float]},
+    "pull": {"status": str},
+}
+
+
+def assert_shape(value, shape, where: str) -> None:
+    if isinstance(shape, dict):
+        assert isinstance(value, dict), where
+        for key, inner in shape.items():
+            assert key in value, f"{where}: no {key!r}"
+            assert_shape(value[key], inner, f"{where}.{key}")
+    elif isinstance(shape, list):
+        assert isinstance(value, list) and value, where
+        assert_shape(value[0], shape[0], f"{where}[0]")
+    else:
+        assert isinstance(value, shape) and not (shape is int and isinstance(value, bool)), f"{where}: {value!r}"
+
+
+def test_every_response_has_the_shape_of_ollamas_documented_examples(server):
+    def call(method: str, path: str, body: dict | None = None) -> list[dict]:
+        response = httpx.request(method, server.url + path, json=body, timeout=120,
+                                 headers={"Authorization": f"Bearer {KEY}"})
+        assert response.status_code == 200, response.text
+        return [json.loads(line) for line in response.text.splitlines() if line.strip()]
+
+    chat = {"model": MODEL, "messages": QUESTION, "options": GREEDY}
+    (whole,) = call("POST", "/api/chat", chat | {"stream": False})
+    *chunks, final = call("POST", "/api/chat", chat)
+    (generated,) = call("POST", "/api/generate", {"model": MODEL, "prompt": "Hi", "options": GREEDY, "stream": False})
+    *generate_chunks, generate_final = call("POST", "/api/generate", {"model": MODEL, "prompt": "Hi",
+                                                                      "options": GREEDY})
+    rendered = {"message": {"role": "assistant", "content": "", "tool_calls": _tool_calls(
+        [ToolCall("get_weather", '{"city": "Paris"}')])}, "done": True}  # what a turn that calls a tool sends
+    responses = {
+        "chat": [whole, final], "chat chunk": chunks, "load": call("POST", "/api/chat", {"model": MODEL, "messages": []}),
+        "chat tool call": [rendered],
+        "generate": [generated, generate_final], "generate chunk": generate_chunks,
+        "tags": call("GET", "/api/tags"), "show": call("POST", "/api/show", {"model": MODEL}),
+        "ps": call("GET", "/api/ps"), "embed": call("POST", "/api/embed", {"model": MODEL, "input": "Why?"}),
+        "embeddings": call("POST", "/api/embeddings", {"model": MODEL, "prompt": "Why?"}),
+        "pull": call("POST", "/api/pull", {"model": "rose/pull-GGUF", "stream": False}),
+    }
+    assert set(responses) == set(DOCUMENTED)
+    for name, values in responses.items():
+        assert values, name
+        for value in values:
+            assert_shape(value, DOCUMENTED[name], name)

@@ -44,6 +44,7 @@ from roseinfer.server.middleware import ErrorReshape, error_message_of
 from roseinfer.server.ollama_protocol import (
     ChatBody,
     EmbedBody,
+    EmbeddingsBody,
     GenerateBody,
     PullBody,
     ShowBody,
@@ -444,6 +445,15 @@ def register(app: FastAPI, context: ApiContext) -> None:
         return JSONResponse({"model": context.model_name, "embeddings": [v.tolist() for v in vectors],
                              "total_duration": int((time.monotonic() - started) * 1e9), "load_duration": 0,
                              "prompt_eval_count": tokens})
+
+    @router.post("/api/embeddings", responses=_errors(400, 401, 404, 408, 413, 500, 503))
+    async def api_embeddings(body: EmbeddingsBody, request: Request) -> Response:
+        """Ollama's older one-prompt route (superseded by /api/embed): {"embedding": [...]}."""
+        check_model(body.model)
+        _, _, ignored = sampling_fields(body.options, engine.max_model_len)
+        log_ignored(request, ignored)
+        vectors, _ = await embed_inputs(engine, [body.prompt])
+        return JSONResponse({"embedding": vectors[0].tolist()})
 
     @router.get("/api/tags", responses=_errors(401))
     async def api_tags() -> dict[str, Any]:

@@ -82,6 +82,13 @@ class EmbedBody(OllamaModel):
     dimensions: Annotated[int, Field(ge=1)] | None = None
 
 
+class EmbeddingsBody(OllamaModel):
+    model: Annotated[str, Field(min_length=1)]
+    prompt: Annotated[str, Field(min_length=1)]
+    options: dict[str, Any] | None = None
+    keep_alive: float | str | None = None
+
+
 class ShowBody(OllamaModel):
     model: str | None = None
     name: str | None = None  # the older spelling
