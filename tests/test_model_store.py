@@ -225,3 +225,27 @@ def test_a_transformers_repo_by_name_loads_its_safetensors(hub, hub_env, tiny_gg
                                                          use_tqdm=False)[0].outputs[0].token_ids)
               for model in ("rose/tiny-hf", str(local))]
     assert tokens[0] == tokens[1]
+
+
+def test_serve_by_name_downloads_at_startup_and_serves_under_the_reference(hub, hub_env, tiny_ggufs):
+    import httpx
+    from live_server import ServerProcess
+
+    from roseinfer.engine.llm import LLM
+    from roseinfer.sampling_params import SamplingParams
+
+    env = {"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(hub_env), "PYTHONPATH": str(Path(__file__).parents[1])}
+    server = ServerProcess("--model", f"{REPO}:Q8_0", "--num-kv-blocks", "16", env=env)
+    try:
+        assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == [f"{REPO}:Q8_0"]
+        assert httpx.get(server.url + "/api/tags").json()["models"][0]["name"] == f"{REPO}:Q8_0"
+        served = httpx.post(server.url + "/v1/completions", json={
+            "model": f"{REPO}:Q8_0", "prompt": [5, 9, 30, 31], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}).json()["choices"][0]["text"]
+    finally:
+        assert server.stop() == 0, server.output()
+    assert any("/resolve/" in p for p in hub.paths("HEAD"))
+    llm = LLM(str(tiny_ggufs["Q8_0"]), num_kv_blocks=16)
+    local = llm.generate(prompt_token_ids=[[5, 9, 30, 31]], sampling_params=SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    assert served == local
