@@ -149,7 +149,7 @@ def test_list_show_ps_version_and_embed(client, oa, server):
     assert shown.modelinfo["general.architecture"] == "llama" and "{% for" in shown.template
     assert 100e6 < shown.modelinfo["general.parameter_count"] < 200e6
     (running,) = client.ps().models
-    assert running.model == MODEL and running.context_length > 0
+    assert running.model == MODEL and running.context_length > 0 and running.size_vram == 0  # on the CPU
     version = httpx.get(server.url + "/api/version", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert version["version"].count(".") == 2
     inputs = ["The sky is blue.", "Cats purr."]

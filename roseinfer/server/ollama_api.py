@@ -463,7 +463,7 @@ def register(app: FastAPI, context: ApiContext) -> None:
     async def api_ps() -> dict[str, Any]:
         facts_ = model_facts()
         never = "2318-01-01T00:00:00Z"  # loaded for as long as the server runs (Ollama's "forever")
-        return {"models": [facts_.tag() | {"expires_at": never, "size_vram": 0 if engine.config.device == "cpu"
+        return {"models": [facts_.tag() | {"expires_at": never, "size_vram": 0 if engine.config.torch_device.type == "cpu"
                                            else facts_.size, "context_length": facts_.context_length}]}
 
     @router.post("/api/show", responses=_errors(400, 401, 404, 413))
