@@ -5,6 +5,7 @@ text, the same prompt tokens, the same embeddings."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator
 
@@ -174,6 +175,8 @@ def test_bad_input_is_a_clear_error_in_ollamas_shape(client, server):
         (lambda: client.chat(model=MODEL, messages=QUESTION, options={"mirostat": 2}), 400, "mirostat=2"),
         (lambda: client.chat(model=MODEL, messages=QUESTION, think=True), 400, "does not support thinking"),
         (lambda: client.generate(model=MODEL, prompt="hi", suffix="end"), 400, "suffix"),
+        (lambda: client.chat(model=MODEL, messages=[{"role": "user", "content": "What is it?", "images": [b"\x89PNG"]}]),
+         400, r"messages\[0\].images\[0\]: this model takes no images"),
     ]
     for call, status, message in cases:
         with pytest.raises(ollama.ResponseError, match=message) as error:
@@ -289,3 +292,31 @@ def test_every_response_has_the_shape_of_ollamas_documented_examples(server):
         assert values, name
         for value in values:
             assert_shape(value, DOCUMENTED[name], name)
+
+
+def test_images_reach_a_vision_model_as_the_chat_routes_image_parts(tmp_path_factory):
+    from test_vision import build_tiny_idefics3, image, reference
+
+    path = tmp_path_factory.mktemp("idefics3")
+    model, processor = build_tiny_idefics3(path)
+    server = ServerProcess("--model", str(path), "--served-model-name", "tiny-vlm", *EXACT_FLAGS,
+                           "--max-num-seqs", "2", "--kv-cache-memory", "0.05")
+    try:
+        client = ollama.Client(host=server.url, timeout=120)
+        picture = image(1, (50, 70))
+        prompt_ids, tokens = reference(model, processor, [picture], "What is in this image?", 6)
+        png = io.BytesIO()
+        picture.save(png, format="PNG")
+        answer = client.chat(model="tiny-vlm", messages=[{"role": "user", "content": "What is in this image?",
+                                                          "images": [png.getvalue()]}],
+                             options={"temperature": 0, "num_predict": 6})
+        assert answer.message.content == processor.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert answer.prompt_eval_count == len(prompt_ids)
+        generated = client.generate(model="tiny-vlm", prompt="What is in this image?", images=[png.getvalue()],
+                                    options={"temperature": 0, "num_predict": 6})
+        assert generated.response == answer.message.content
+        with pytest.raises(ollama.ResponseError, match=r"^images\[0\]") as error:
+            client.generate(model="tiny-vlm", prompt="What is it?", images=[b"not an image"])
+        assert error.value.status_code == 400
+    finally:
+        assert server.stop() == 0, server.output()

@@ -18,11 +18,12 @@ started with --allow-pull; this server serves the one model it was started with.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from roseinfer.server.completions_serving import CompletionServing
 from roseinfer.server.embeddings_api import embed_inputs
 from roseinfer.server.error_responses import error_event, generation_failure
 from roseinfer.server.ignored_fields import log_ignored
+from roseinfer.server.image_parts import in_request_terms
 from roseinfer.server.middleware import ErrorReshape, error_message_of
 from roseinfer.server.ollama_protocol import (
     ChatBody,
@@ -164,6 +166,19 @@ def _logprobs(serving: OpenAIServing, entries: list[TokenLogprob] | None) -> lis
                        "top_logprobs": [{"token": (t := serving.token_text(i)), "logprob": lp,
                                          "bytes": list(t.encode())} for i, lp in entry.top]})
     return result
+
+
+@contextlib.contextmanager
+def images_named(places: dict[str, str]) -> Iterator[None]:
+    """An error about an image names it by its place in the Ollama request (messages[i].images[j],
+    or a generate's images[j]), not by the image_url part it became."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        renamed = in_request_terms(exc, places)
+        if renamed is exc:
+            raise
+        raise renamed from exc
 
 
 def _tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
@@ -382,12 +397,14 @@ def register(app: FastAPI, context: ApiContext) -> None:
         started = time.monotonic()
         if not body.messages:
             return loaded(False)
-        chat, num_ctx = chat_body(body, openai_messages(body.messages), request)
-        requests, tool_calling = serving.chat_requests(chat)
-        for engine_request in requests:  # num_predict is an upper bound, as in Ollama
-            engine_request.fit_max_tokens = True
-        await fit_context(requests, num_ctx)
-        submitted = await serving.submit("/api/chat", "chatcmpl", requests, 1, tool_calling)
+        messages, places = openai_messages(body.messages, serving.takes_images)
+        chat, num_ctx = chat_body(body, messages, request)
+        with images_named(places):
+            requests, tool_calling = serving.chat_requests(chat)
+            for engine_request in requests:  # num_predict is an upper bound, as in Ollama
+                engine_request.fit_max_tokens = True
+            await fit_context(requests, num_ctx)
+            submitted = await serving.submit("/api/chat", "chatcmpl", requests, 1, tool_calling)
         return await respond(request, chat_outputs(submitted, chat, started, False), body.stream, False)
 
     @router.post("/api/generate", responses=_streamed("The answer") | _errors(400, 401, 404, 408, 413, 500, 503))
@@ -396,16 +413,15 @@ def register(app: FastAPI, context: ApiContext) -> None:
         started = time.monotonic()
         for name, why in (("suffix", "fill-in-the-middle is not supported"),
                           ("template", "a per-request template is not supported; the model's own is used"),
-                          ("context", "a previous response's context is not supported; use /api/chat"),
-                          ("images", "images are not taken on this server's Ollama API yet")):
+                          ("context", "a previous response's context is not supported; use /api/chat")):
             if getattr(body, name):
                 raise InvalidRequestError(f"{name}: {why}", name)
         if not body.prompt:
             return loaded(True)
         if body.raw:  # the prompt as it is, as /v1/completions takes it
-            if body.system or body.think not in (None, False):
-                raise InvalidRequestError("raw: the prompt is sent as it is, so system and think cannot apply",
-                                          "raw")
+            if body.system or body.images or body.think not in (None, False):
+                raise InvalidRequestError("raw: the prompt is sent as it is, so system, images and think cannot "
+                                          "apply", "raw")
             fields, num_ctx, ignored = sampling_fields(body.options, engine.max_model_len)
             log_ignored(request, ignored | ({"keep_alive": "this server keeps its one model loaded"}
                                             if body.keep_alive is not None else {}))
@@ -423,14 +439,16 @@ def register(app: FastAPI, context: ApiContext) -> None:
             await fit_context(requests, num_ctx)
             submitted = await serving.submit("/api/generate", "cmpl", requests, 1)
             return await respond(request, raw_outputs(submitted, body.logprobs, started), body.stream, True)
-        messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
-            {"role": "user", "content": body.prompt}]
+        messages, places = openai_messages(
+            ([{"role": "system", "content": body.system}] if body.system else [])
+            + [{"role": "user", "content": body.prompt, "images": body.images or []}], serving.takes_images, "images")
         chat, num_ctx = chat_body(body, messages, request)
-        requests, tool_calling = serving.chat_requests(chat)
-        for engine_request in requests:
-            engine_request.fit_max_tokens = True
-        await fit_context(requests, num_ctx)
-        submitted = await serving.submit("/api/generate", "cmpl", requests, 1, tool_calling)
+        with images_named(places):
+            requests, tool_calling = serving.chat_requests(chat)
+            for engine_request in requests:
+                engine_request.fit_max_tokens = True
+            await fit_context(requests, num_ctx)
+            submitted = await serving.submit("/api/generate", "cmpl", requests, 1, tool_calling)
         return await respond(request, chat_outputs(submitted, chat, started, True), body.stream, True)
 
     @router.post("/api/embed", responses=_errors(400, 401, 404, 408, 413, 500, 503))

@@ -195,10 +195,17 @@ def format_fields(format_: str | dict[str, Any] | None) -> dict[str, Any]:
     raise InvalidRequestError(f'format must be "json" or a JSON schema object, got {format_!r}', "format")
 
 
-def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def openai_messages(messages: list[dict[str, Any]], takes_images: bool,
+                    image_field: str | None = None) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Ollama's chat messages as OpenAI's: tool calls with JSON-text arguments and ids, a tool
-    result tied to the call it answers (by tool_name), thinking as reasoning_content."""
+    result tied to the call it answers (by tool_name), thinking as reasoning_content, a message's
+    images (bare base64) as image_url parts before its text, as Ollama places them. Also each
+    image's place in the chat messages -> its place in the request (`image_field`: where a
+    generate request's images are, for its one user message)."""
+    from roseinfer.server.image_parts import text_model_refusal
+
     converted: list[dict[str, Any]] = []
+    places: dict[str, str] = {}
     call_ids: dict[str, str] = {}  # the last call of each function name -> its id
     for position, message in enumerate(messages):
         where = f"messages[{position}]"
@@ -207,10 +214,17 @@ def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         unknown = set(message) - {"role", "content", "thinking", "images", "tool_calls", "tool_name", "name"}
         if unknown:
             raise InvalidRequestError(f"{where} has unknown field(s) {', '.join(sorted(unknown))}", where)
-        if message.get("images"):
-            raise InvalidRequestError(f"{where}.images: images are not taken on this server's Ollama API yet",
-                                      f"{where}.images")
         out: dict[str, Any] = {"role": message["role"], "content": message.get("content") or ""}
+        images = message.get("images") or []
+        if images:
+            named = image_field or f"{where}.images"
+            if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
+                raise InvalidRequestError(f"{named} must be a list of base64-encoded images", named)
+            if not takes_images:
+                raise text_model_refusal(f"{named}[0]", "image")
+            out["content"] = [{"type": "image_url", "image_url": {"url": image}} for image in images] + [
+                {"type": "text", "text": out["content"]}]
+            places.update({f"messages[{position}].content[{i}]": f"{named}[{i}]" for i in range(len(images))})
         if message.get("thinking"):
             out["reasoning_content"] = message["thinking"]
         calls = message.get("tool_calls") or []
@@ -234,4 +248,4 @@ def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if name in call_ids:
                     out["tool_call_id"] = call_ids[name]
         converted.append(out)
-    return converted
+    return converted, places
