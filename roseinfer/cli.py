@@ -1,4 +1,4 @@
-"""`roseinfer generate | serve | bench`: the command line."""
+"""`roseinfer generate | serve | pull | export-hf | bench`: the command line."""
 
 from __future__ import annotations
 
@@ -75,6 +75,19 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_pull(args: argparse.Namespace) -> int:
+    """Fetch a Hub model into the local cache (huggingface_hub's progress bars on the terminal) and
+    print the path it loads from."""
+    from roseinfer.models.model_store import parse_model_ref, pull
+
+    ref = parse_model_ref(args.model)
+    if ref is None:
+        raise RoseInferError(f"{args.model!r} is not a Hub model reference: name it as user/repo[@revision][:QUANT] "
+                             "(a local path needs no pull)")
+    print(pull(ref, progress=not args.quiet))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="roseinfer", description="LLM inference engine and server")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
@@ -92,6 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--model", default=None, help="GGUF file (default: the default model)")
     export.add_argument("--output", required=True, help="directory to write")
     export.set_defaults(handler=run_export)
+
+    pull = commands.add_parser("pull", help="download a model from the Hugging Face Hub into its cache",
+                               description="Download user/repo[@revision][:QUANT] (a GGUF repository's file for "
+                                           "the quant, Q4_K_M by default, with every shard and its mmproj; a "
+                                           "transformers repository's safetensors and tokenizer) into "
+                                           "huggingface_hub's cache (HF_HOME, HF_HUB_CACHE, HF_ENDPOINT, HF_TOKEN "
+                                           "apply), check each file's checksum, and print its local path.")
+    pull.add_argument("model", metavar="user/repo[@revision][:QUANT]")
+    pull.add_argument("--quiet", action="store_true", help="no progress bars")
+    pull.set_defaults(handler=run_pull)
 
     from roseinfer.server import add_server_args, run_server
 

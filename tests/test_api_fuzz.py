@@ -33,7 +33,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # Routes that generate nothing (/v1/embeddings: prefill only; /tokenize) need none.
 LENGTH_FIELDS = {"/v1/completions": ("max_tokens",), "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
                  "/generate": ("max_new_tokens",), "/v1/messages": ("max_tokens",),
-                 "/v1/responses": ("max_output_tokens",)}
+                 "/v1/responses": ("max_output_tokens",), "/api/chat": ("options.num_predict",),
+                 "/api/generate": ("options.num_predict",)}
 
 
 CASES: Counter[str] = Counter()  # requests sent per route, printed at the end (pytest -s)
@@ -72,10 +73,18 @@ def bound_generation(case: schemathesis.Case) -> None:
     phase drew it."""
     if isinstance(case.body, dict):
         for field in LENGTH_FIELDS.get(case.operation.path, ()):
-            value = case.body.get(field)
+            body, *outer = case.body, *field.split(".")[:-1]
+            for name in outer:  # a nested field (Ollama's options.num_predict): its object made if missing
+                if body.get(name) is None:
+                    body[name] = {}
+                body = body[name]
+            if not isinstance(body, dict):
+                continue  # an invalid object: it must be refused
+            field = field.split(".")[-1]
+            value = body.get(field)
             number = _as_number(value)
-            if value is None or (number is not None and number > MAX_NEW_TOKENS):
-                case.body[field] = MAX_NEW_TOKENS
+            if value is None or (number is not None and number > MAX_NEW_TOKENS) or number in (-1, -2):
+                body[field] = MAX_NEW_TOKENS
 
 
 def _as_number(value: object) -> float | None:

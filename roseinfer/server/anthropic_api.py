@@ -14,7 +14,6 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from roseinfer.errors import InvalidRequestError
 from roseinfer.server.anthropic_protocol import (
@@ -35,6 +34,7 @@ from roseinfer.server.anthropic_serving import (
 )
 from roseinfer.server.api_family import ApiContext, unless_disconnected
 from roseinfer.server.ignored_fields import log_ignored
+from roseinfer.server.middleware import ErrorReshape, error_message_of
 from roseinfer.server.openapi import _ERRORS, _RETRY_AFTER, finish_document
 
 PATH_PREFIX = "/v1/messages"
@@ -66,57 +66,9 @@ def _streamed_message() -> dict[int | str, dict[str, Any]]:
                   "content": {"text/event-stream": {"schema": event}}}}
 
 
-class AnthropicErrorShape:
-    """On the Messages routes, every error response (whoever answered it: the API key guard, the
-    body limit, a route's handler, the last-resort guard) is rewritten from the server's OpenAI
-    error object into Anthropic's, its type chosen by the status. Added outermost, so that it sees
-    them all; other responses pass through untouched."""
-
-    def __init__(self, app: ASGIApp, prefix: str) -> None:
-        self.app = app
-        self.prefix = prefix
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
-            await self.app(scope, receive, send)
-            return
-        start: Message | None = None
-        body = b""
-
-        async def reshaping_send(message: Message) -> None:
-            nonlocal start, body
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                start = message
-                return
-            if start is None or message["type"] != "http.response.body":
-                await send(message)
-                return
-            body += message.get("body", b"")
-            if message.get("more_body", False):
-                return
-            body = _reshaped(start["status"], body)
-            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
-            await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
-
-        await self.app(scope, receive, reshaping_send)
-
-
 def _reshaped(status: int, body: bytes) -> bytes:
-    """Anthropic's error object for the body of an error response (an empty or non-JSON body is
-    given a message saying what the status means)."""
-    message = None
-    try:
-        value = json.loads(body) if body else None
-    except ValueError:
-        value = None
-    if isinstance(value, dict) and isinstance(value.get("error"), dict):
-        message = value["error"].get("message")
-    elif isinstance(value, dict) and isinstance(value.get("detail"), str):
-        message = value["detail"]
-    if not isinstance(message, str):
-        message = body.decode(errors="replace") or f"HTTP {status}"
-    return json.dumps(anthropic_error_body(status, message), ensure_ascii=False).encode()
+    """Anthropic's error object for the body of an error response."""
+    return json.dumps(anthropic_error_body(status, error_message_of(status, body)), ensure_ascii=False).encode()
 
 
 def register(app: FastAPI, context: ApiContext) -> None:
@@ -163,4 +115,4 @@ def register(app: FastAPI, context: ApiContext) -> None:
 
     app.include_router(router)
     finish_document(app, extra_models=STREAM_EVENTS)  # what only the stream sends
-    app.add_middleware(AnthropicErrorShape, prefix=PATH_PREFIX)
+    app.add_middleware(ErrorReshape, prefix=PATH_PREFIX, reshape=_reshaped)

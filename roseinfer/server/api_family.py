@@ -41,6 +41,7 @@ class ApiContext:
     metrics: PrometheusStatLogger
     response_store: ResponseStore
     enable_web_ui: bool = True
+    allow_pull: bool = False  # whether clients may download models (Ollama's /api/pull; --allow-pull)
 
     def check_model(self, name: str | None) -> None:
         """A 404 for a request naming a model this server does not serve (None: any is fine)."""

@@ -25,6 +25,7 @@ from roseinfer.server import (
     generate_api,
     health_api,
     metrics_api,
+    ollama_api,
     openai_api,
     responses_api,
     tokenize_api,
@@ -56,6 +57,7 @@ API_FAMILIES: list[ApiFamily] = [
     responses_api,  # POST /v1/responses, GET and DELETE /v1/responses/{id}
     tokenize_api,  # POST /tokenize, POST /detokenize
     embeddings_api,  # POST /v1/embeddings
+    ollama_api,  # Ollama's /api/chat, /api/generate, /api/embed, /api/tags, /api/show, /api/ps, ...
     anthropic_api,  # POST /v1/messages, POST /v1/messages/count_tokens
 ]
 
@@ -95,13 +97,15 @@ def create_app(
     body_timeout: float | None = None,
     allowed_hosts: list[str] | None = None,
     response_store: ResponseStore | None = None,
+    allow_pull: bool = False,
 ) -> FastAPI:
     """The app over a started AsyncLLM (whose engine core runs beside the event loop); `metrics`
     is the stat logger the engine feeds. `app.state.begin_shutdown(timeout)` starts a graceful
     shutdown (see there)."""
     model_name = served_model_name or engine.model_name
     context = ApiContext(engine, OpenAIServing(engine, model_name, tool_call_parser), model_name, metrics,
-                         response_store if response_store is not None else ResponseStore(), enable_web_ui)
+                         response_store if response_store is not None else ResponseStore(), enable_web_ui,
+                         allow_pull)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

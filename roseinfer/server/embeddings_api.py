@@ -16,7 +16,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, field_validator
 
-from roseinfer.engine.async_llm import NewRequest, RequestOutputStream
+from roseinfer.engine.async_llm import AsyncLLM, NewRequest, RequestOutputStream
 from roseinfer.errors import InvalidRequestError
 from roseinfer.outputs import PoolingRequestOutput
 from roseinfer.pooling_params import PoolingParams
@@ -96,6 +96,48 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
+async def submit_inputs(engine: AsyncLLM, prompts: list[str | list[int]], params: PoolingParams) -> tuple[
+        list[str], RequestOutputStream]:
+    """One pooling request per input, queued together (an error names `input`)."""
+    limit = engine.max_queue_len
+    if limit is not None and len(prompts) > limit:  # could never be queued: not a 503 to retry
+        raise InvalidRequestError(f"input has {len(prompts)} items, more than this server queues at once "
+                                  f"({limit}, --max-queue-len); send them in smaller requests", "input")
+    requests = [NewRequest(new_id("embd"), prompt, params) for prompt in prompts]
+    try:
+        stream = await engine.add_requests(requests)
+    except InvalidRequestError as exc:
+        if exc.param in _PROMPT_PARAMS:  # the input processor's name for it
+            exc.param = "input"
+        raise
+    return [r.request_id for r in requests], stream
+
+
+async def collect(ids: list[str], stream: RequestOutputStream) -> list[PoolingRequestOutput]:
+    """Each input's finished output, in input order (leaving early aborts the rest)."""
+    finals: dict[str, PoolingRequestOutput] = {}
+    try:
+        async for output in stream:
+            if not output.finished:
+                continue
+            if output.outputs is None:
+                raise GenerationError(f"embedding failed: {output.error or output.finish_reason}")
+            finals[output.request_id] = output
+    finally:
+        if not stream.finished:
+            stream.close()
+    return [finals[i] for i in ids]
+
+
+async def embed_inputs(engine: AsyncLLM, prompts: list[str | list[int]], normalize: bool | None = None,
+                       dimensions: int | None = None) -> tuple[list[Any], int]:
+    """The vectors of `prompts` (numpy arrays, in order) and their prompt tokens in all (the Ollama
+    API's /api/embed takes them so)."""
+    ids, stream = await submit_inputs(engine, prompts, PoolingParams(normalize=normalize, dimensions=dimensions))
+    outputs = await collect(ids, stream)
+    return [o.outputs.data for o in outputs], sum(len(o.prompt_token_ids) for o in outputs)
+
+
 def register(app: FastAPI, context: ApiContext) -> None:
     serving, check_model = context.serving, context.check_model
     engine = serving.engine
@@ -103,33 +145,12 @@ def register(app: FastAPI, context: ApiContext) -> None:
 
     async def submit(body: EmbeddingRequest) -> tuple[list[str], RequestOutputStream]:
         params = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
-        prompts = body.prompts()
-        limit = engine.max_queue_len
-        if limit is not None and len(prompts) > limit:  # could never be queued: not a 503 to retry
-            raise InvalidRequestError(f"input has {len(prompts)} items, more than this server queues at once "
-                                      f"({limit}, --max-queue-len); send them in smaller requests", "input")
-        requests = [NewRequest(new_id("embd"), prompt, params) for prompt in prompts]
-        try:
-            stream = await engine.add_requests(requests)
-        except InvalidRequestError as exc:
-            if exc.param in _PROMPT_PARAMS:  # the input processor's name for it
-                exc.param = "input"
-            raise
-        return [r.request_id for r in requests], stream
+        return await submit_inputs(engine, body.prompts(), params)
 
     async def respond(body: EmbeddingRequest, ids: list[str], stream: RequestOutputStream) -> EmbeddingResponse:
         started, response_id = time.monotonic(), new_id("embd")
-        finals: dict[str, PoolingRequestOutput] = {}
-        try:
-            async for output in stream:
-                if not output.finished:
-                    continue
-                if output.outputs is None:
-                    raise GenerationError(f"embedding failed: {output.error or output.finish_reason}")
-                finals[output.request_id] = output
-        finally:
-            if not stream.finished:
-                stream.close()
+        outputs = await collect(ids, stream)
+        finals = dict(zip(ids, outputs, strict=True))
         data = []
         for index, request_id in enumerate(ids):
             vector = finals[request_id].outputs.data

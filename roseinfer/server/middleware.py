@@ -189,3 +189,59 @@ class ErrorGuard:
             else:  # best effort: a streamed body cut short still ends as a valid HTTP message
                 with contextlib.suppress(Exception):
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class ErrorReshape:
+    """On the routes under `prefix`, every error response (whoever answered it: the API key guard,
+    the body limit, a route's handler, the last-resort guard) has its body rewritten by
+    `reshape(status, body)` from the server's OpenAI error object into its API family's own shape.
+    Added outermost, so that it sees them all; other responses pass through untouched."""
+
+    def __init__(self, app: ASGIApp, prefix: str, reshape: Callable[[int, bytes], bytes]) -> None:
+        self.app = app
+        self.prefix = prefix
+        self.reshape = reshape
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+            await self.app(scope, receive, send)
+            return
+        start: Message | None = None
+        body = b""
+
+        async def reshaping_send(message: Message) -> None:
+            nonlocal start, body
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                start = message
+                return
+            if start is None or message["type"] != "http.response.body":
+                await send(message)
+                return
+            body += message.get("body", b"")
+            if message.get("more_body", False):
+                return
+            body = self.reshape(start["status"], body)
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, reshaping_send)
+
+
+def error_message_of(status: int, body: bytes) -> str:
+    """The message of an error response's body (the server's OpenAI error object, a framework's
+    {"detail": ...}, or text); an empty body says what the status means."""
+    import json
+
+    message = None
+    try:
+        value = json.loads(body) if body else None
+    except ValueError:
+        value = None
+    if isinstance(value, dict) and isinstance(value.get("error"), dict):
+        message = value["error"].get("message")
+    elif isinstance(value, dict) and isinstance(value.get("detail"), str):
+        message = value["detail"]
+    if not isinstance(message, str):
+        message = body.decode(errors="replace") or f"HTTP {status}"
+    return message
