@@ -32,6 +32,7 @@ from roseinfer.server.effort import Effort
 from roseinfer.server.protocol import (
     StrictModel,
     bounded_nesting,
+    kinds_checked,
     known_kinds,
     now,
 )
@@ -84,13 +85,8 @@ class MessageItem(StrictModel):
     status: ItemStatus | None = None
     phase: Literal["commentary", "final_answer"] | None = None
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        if isinstance(content, list):
-            known_kinds(content, _TEXT_PARTS, "parts", "content[{i}]", media=_MEDIA_PARTS,
-                        why="this model reads text only")
-        return content
+    _text_parts_only = kinds_checked("content", _TEXT_PARTS, "parts", "content[{i}]", media=_MEDIA_PARTS,
+                                     why="this model reads text only")
 
     def text(self) -> str:
         if isinstance(self.content, str):
