@@ -20,13 +20,10 @@ head can attend to "nothing"); all are parameters of the layer, applied by every
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from roseinfer.layers.attention_backends import AttentionBackend
 
 
 @dataclass(frozen=True)
@@ -46,6 +43,15 @@ class AttentionLayerParams:
     def group(self) -> int:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
+
+
+class RunsAttention(Protocol):
+    """What runs every layer's attention over a step's metadata: the backend that built it
+    (layers/attention_backends.py's AttentionBackend; named here by its one method, so that this
+    module, below the backends, imports none of them)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, layer: AttentionLayerParams) -> torch.Tensor: ...
 
 
 @dataclass
@@ -73,7 +79,7 @@ class AttentionMetadata:
     # SDPA backend: decode_mask narrowed to each sliding window, made by the first layer that needs it.
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # The backend that built this metadata and runs every layer's attention over it.
-    backend: AttentionBackend | None = None
+    backend: RunsAttention | None = None
     # A model with several KV cache groups (common/kv_cache_spec.py: Gemma's full and sliding
     # layers, each kind with a pool of its own): each group's metadata (its slots and block
     # tables) by the group's window, None for full attention; this metadata is one of them.

@@ -17,18 +17,18 @@ kernel walks the block table from the window's first block; the PyTorch paths ma
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from roseinfer.config import ModelConfig
-from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.layers.activation import gelu_tanh_and_mul
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
 from roseinfer.layers.norm import RMSNorm
 from roseinfer.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
+from roseinfer.models.decoder import DecoderLayer
 from roseinfer.models.fused_decode import DecodeModelSpec, PostNorms
 from roseinfer.models.llama import (
     LLAMA_GGUF_LAYER_NAMES,
@@ -58,36 +58,36 @@ class GemmaMLP(LlamaMLP):
         return self.tp.all_reduce(self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x))))
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(DecoderLayer):
+    """The shared pre-norm layer with Gemma's two more norms: one of the attention's output
+    (post_attention_layernorm), one of the MLP's (post_feedforward_layernorm); the norm before the
+    MLP is pre_feedforward_layernorm."""
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__()
+        super().__init__(config, layer)
         self.is_local = config.layer_window(layer) is not None
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.self_attn = GemmaAttention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = GemmaMLP(config)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        rotations: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As LlamaDecoderLayer: (this layer's output before its residual add, the residual)."""
-        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(hidden, rotations, kv_cache, meta))
-        hidden, residual = self.pre_feedforward_layernorm.add_and_norm(hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+    def make_attention(self, config: ModelConfig, layer: int) -> nn.Module:
+        return GemmaAttention(config, layer)
+
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        return GemmaMLP(config)
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        return self.pre_feedforward_layernorm
+
+    def mix(self, hidden: torch.Tensor, rotations: torch.Tensor, cache: Any, meta: AttentionMetadata) -> torch.Tensor:
+        return self.post_attention_layernorm(super().mix(hidden, rotations, cache, meta))
+
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.post_feedforward_layernorm(self.mlp(hidden))
 
 
 class GemmaBackbone(LlamaBackbone):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(config, i) for i in range(config.num_layers))
+    layer_class = GemmaDecoderLayer
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -101,37 +101,28 @@ class GemmaForCausalLM(LlamaForCausalLM):
         "post_ffw_norm": "post_feedforward_layernorm",
     }
 
+    backbone_class = GemmaBackbone
+
     def __init__(self, config: ModelConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.tp = get_tp_group()
-        self.model = GemmaBackbone(config)
-        self.vocab = self.model.embed_tokens.shard
-        self.lm_head = nn.Linear(config.hidden_size, self.vocab.rows, bias=False)
-        self.rotary = RotaryEmbedding(
-            rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-        )
+        super().__init__(config)
         local_theta = config.rope_local_theta or config.rope_theta
         self.rotary_local = RotaryEmbedding(rope_inverse_frequencies(config.head_dim, local_theta))
         # Gemma 2's local layers rotate as its global ones; only Gemma 3 needs two tables.
         self.same_rotary = config.rope_scaling is None and local_theta == config.rope_theta
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def build_rotary(self, config: ModelConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling))
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
         # sqrt(hidden) rounded to the activations' dtype first, as transformers does
-        hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
+        return hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
+
+    def layer_rotations(self, positions: torch.Tensor, meta: AttentionMetadata) -> list[torch.Tensor]:
+        """The local layers' table where it differs from the global layers' (Gemma 3)."""
         rotations = self.rotary.rotations(positions)
         local = rotations if self.same_rotary else self.rotary_local.rotations(positions)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, local if layer.is_local else rotations, kv_cache, meta)
-        return self.model.norm.add_and_norm(hidden, residual)[0]
+        return [local if layer.is_local else rotations for layer in self.model.layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)

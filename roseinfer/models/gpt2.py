@@ -20,9 +20,10 @@ from roseinfer.config import ModelConfig
 from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.distributed.partition import partition
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
-from roseinfer.layers.parallel import VocabParallelEmbedding, gather_logits, take_shard
+from roseinfer.layers.parallel import VocabParallelEmbedding, take_shard
 from roseinfer.layers.quantization import concat_rows
 from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
+from roseinfer.models.decoder import CausalLM
 from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
 _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -84,7 +85,7 @@ class GPT2Backbone(nn.Module):
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CausalLM):
     hf_model_types: ClassVar[dict[str, str]] = {"gpt2": "gpt2"}
     gguf_architectures: ClassVar[dict[str, str]] = {"gpt2": "gpt2"}
     gguf_layer_prefix: ClassVar[str] = "transformer.h"
@@ -104,12 +105,9 @@ class GPT2LMHeadModel(nn.Module):
     }
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.tp = get_tp_group()
+        super().__init__(config)
         self.transformer = GPT2Backbone(config)
-        self.vocab = self.transformer.wte.shard  # this rank's vocabulary rows
-        self.lm_head = nn.Linear(config.hidden_size, self.vocab.rows, bias=False)
+        self.add_lm_head(self.transformer.wte)
 
     def forward(
         self,
@@ -122,10 +120,6 @@ class GPT2LMHeadModel(nn.Module):
         for block, kv_cache in zip(self.transformer.h, kv_caches, strict=True):
             hidden = block(hidden, kv_cache, meta)
         return self.transformer.ln_f(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits over the whole vocabulary on rank 0 (None on the other ranks)."""
-        return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], on_module_loaded: ModuleLoaded | None = None
@@ -144,9 +138,7 @@ class GPT2LMHeadModel(nn.Module):
                 _, _, layer, suffix = name.split(".", 3)
                 tensor = self.transformer.h[int(layer)].shard(suffix, tensor)
             loader.load(name, tensor)
-        self.lm_head.weight = self.transformer.wte.weight
-        loader.mark_loaded("lm_head.weight")
-        loader.check_complete()
+        self.finish_load(loader, self.transformer.wte, tied=True)
 
     @classmethod
     def config_from_hf(cls, source: HFConfigSource) -> ModelConfig:

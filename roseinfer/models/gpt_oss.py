@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -36,12 +36,11 @@ from roseinfer.config import ModelConfig, MoeConfig
 from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.errors import ModelLoadError
 from roseinfer.layers.attention import PagedAttention
-from roseinfer.layers.rotary import interleave_rotary_rows
 from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
 from roseinfer.models.fused_decode import DecodeModelSpec
 from roseinfer.models.llama import LLAMA_GGUF_LAYER_NAMES, LlamaAttention, LlamaForCausalLM
 from roseinfer.models.moe import SparseMoeBlock
-from roseinfer.models.weights import ModuleLoaded, WeightLoader
+from roseinfer.models.weights import ModuleLoaded
 
 # transformers' GptOssConfig defaults, which llama.cpp hard-codes for the architecture too.
 SWIGLU_ALPHA = 1.702
@@ -184,40 +183,19 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], on_module_loaded: ModuleLoaded | None = None
     ) -> None:
-        """Hugging Face-named tensors (see `_expert_names`), q/k/v and each expert's gate/up fused,
-        q/k rows (and biases) in the interleaved rotary layout."""
-        config = self.config
-        attn = self.model.layers[0].self_attn
-        width = config.moe.intermediate_size
-        fused = {
-            "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", attn.q_size),
-            "v_proj": ("qkv_proj", attn.q_size + attn.kv_size),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", width),
-        }
-        loader = WeightLoader(self, on_module_loaded)
-        for name, tensor in _expert_names(weights):
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue
-            parts = name.split(".")
-            module = parts[-2] if len(parts) > 1 else ""
-            if module == "q_proj":
-                tensor = interleave_rotary_rows(tensor, config.num_heads)
-            elif module == "k_proj":
-                tensor = interleave_rotary_rows(tensor, config.num_kv_heads)
-            if module in fused:
-                parts[-2], first = fused[module]
-                loader.load_rows(".".join(parts), tensor, first)
-            else:
-                loader.load(name, tensor)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            loader.mark_loaded("lm_head.weight")
-        loader.check_complete()
+        """Hugging Face-named tensors (see `_expert_names`) through Llama's loop: q/k/v and each
+        expert's gate/up fused, q/k rows (and biases) in the interleaved rotary layout; then the
+        sinks handed to the attention."""
+        super().load_weights(weights, on_module_loaded)
         for module in self.modules():
             if isinstance(module, PagedAttention):
                 module.bind_sinks()
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+        return _expert_names(weights)
+
+    def this_ranks_part(self, parts: list[str], tensor: Any) -> Any:
+        return tensor  # one rank only (see __init__)
 
     # -- reading a checkpoint's config (models/hf_config.py and gguf_loader.py dispatch here) --
 

@@ -18,17 +18,19 @@ import torch
 from torch import nn
 
 from roseinfer.config import ModelConfig, MoeConfig, RecurrentConfig
-from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
-from roseinfer.layers.norm import RMSNorm
-from roseinfer.layers.parallel import VocabParallelEmbedding, gather_logits
-from roseinfer.layers.quantization.gguf import BlockTensor
-from roseinfer.layers.recurrent import Mamba2Params, recurrence_class
-from roseinfer.layers.rotary import RotaryEmbedding, interleave_rotary_rows, rope_frequencies
+from roseinfer.layers.recurrent import Mamba2Params
+from roseinfer.layers.rotary import RotaryEmbedding, interleave_rotary_rows
 from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
+from roseinfer.models.decoder import (
+    DecoderBackbone,
+    DecoderForCausalLM,
+    DecoderLayer,
+    default_rotary,
+)
 from roseinfer.models.llama import LLAMA_GGUF_GLOBAL_NAMES, LLAMA_GGUF_LAYER_NAMES, LlamaAttention
 from roseinfer.models.moe import GatedMLP, MoeForCausalLM, SparseMoeBlock, _canonical_names
-from roseinfer.models.weights import ModuleLoaded, WeightLoader
+from roseinfer.models.weights import ModuleLoaded, WeightLoader, dense
 
 # Granite's checkpoint names for the experts: [experts, 2 * width, hidden] gate and up, [experts,
 # hidden, width] down, and the router -> the stacked names models/moe.py's _canonical_names splits.
@@ -47,47 +49,41 @@ def _stacked_expert_names(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[
         yield name, tensor
 
 
-class GraniteHybridLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__()
-        recurrent, granite = config.recurrent, config.family_options
-        assert recurrent is not None
-        self.residual_multiplier = granite["residual_multiplier"]
-        self.is_recurrent = layer in recurrent.layers
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        if self.is_recurrent:
-            self.mamba = recurrence_class(recurrent.kind)(recurrent.params)
-        else:
-            self.self_attn = LlamaAttention(config, layer)
-            self.self_attn.attn = PagedAttention(self.self_attn.num_heads, self.self_attn.num_kv_heads,
-                                                 config.head_dim, granite["attention_multiplier"])
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = SparseMoeBlock(config) if config.moe is not None else None
-        self.shared_mlp = GatedMLP(config.hidden_size, granite["shared_intermediate_size"], reduce=True)
+class GraniteHybridLayer(DecoderLayer):
+    """Mamba2 (`mamba`) or Llama attention scaled by attention_multiplier, then the experts (if
+    any) plus the shared MLP; both blocks' outputs scaled by residual_multiplier."""
 
-    def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rotations: torch.Tensor, cache: Any,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As LlamaDecoderLayer (output before its residual add, residual), the output scaled."""
-        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.mamba(hidden, cache, meta) if self.is_recurrent else self.self_attn(hidden, rotations, cache, meta)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden * self.residual_multiplier, residual)
+    recurrent_mixer = "mamba"
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__(config, layer)
+        self.residual_multiplier = config.family_options["residual_multiplier"]
+        self.shared_mlp = GatedMLP(config.hidden_size, config.family_options["shared_intermediate_size"], reduce=True)
+
+    def make_attention(self, config: ModelConfig, layer: int) -> nn.Module:
+        attention = LlamaAttention(config, layer)
+        attention.attn = PagedAttention(attention.num_heads, attention.num_kv_heads, config.head_dim,
+                                        config.family_options["attention_multiplier"])
+        return attention
+
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module | None:
+        return SparseMoeBlock(config) if config.moe is not None else None
+
+    def mix(self, hidden: torch.Tensor, rotations: torch.Tensor, cache: Any, meta: AttentionMetadata) -> torch.Tensor:
+        return super().mix(hidden, rotations, cache, meta) * self.residual_multiplier
+
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.shared_mlp(hidden)
         if self.mlp is not None:
             out = out + self.mlp(hidden)
-        return out * self.residual_multiplier, residual
+        return out * self.residual_multiplier
 
 
-class GraniteHybridBackbone(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(GraniteHybridLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+class GraniteHybridBackbone(DecoderBackbone):
+    layer_class = GraniteHybridLayer
 
 
-class GraniteHybridForCausalLM(nn.Module):
+class GraniteHybridForCausalLM(DecoderForCausalLM):
     hf_model_types: ClassVar[dict[str, str]] = {"granitemoehybrid": "granite_hybrid"}
     gguf_architectures: ClassVar[dict[str, str]] = {"granitehybrid": "granite_hybrid"}
     gguf_layer_prefix: ClassVar[str] = "model.layers"
@@ -112,39 +108,24 @@ class GraniteHybridForCausalLM(nn.Module):
     gguf_global_names: ClassVar[dict[str, str]] = LLAMA_GGUF_GLOBAL_NAMES
     gguf_expert_tensors: ClassVar[dict[str, tuple[str, ...]]] = MoeForCausalLM.gguf_expert_tensors
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.tp = get_tp_group()
-        self.model = GraniteHybridBackbone(config)
-        self.vocab = self.model.embed_tokens.shard
-        self.lm_head = nn.Linear(config.hidden_size, self.vocab.rows, bias=False)
-        if config.family_options["rope"]:
-            frequencies = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
-                                           config.max_position_embeddings)
-            self.rotary = RotaryEmbedding.from_frequencies(frequencies, config.head_dim)
-        else:  # no positions in the attention: a rotation by 0
-            self.rotary = RotaryEmbedding(torch.zeros(config.head_dim // 2, device="cpu"))
+    backbone_class = GraniteHybridBackbone
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Any], meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids) * self.config.family_options["embedding_multiplier"]
-        rotations = self.rotary.rotations(positions)
-        residual = None
-        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rotations, cache, meta)
-        return self.model.norm.add_and_norm(hidden, residual)[0]
+    def build_rotary(self, config: ModelConfig) -> RotaryEmbedding:
+        if config.family_options["rope"]:
+            return default_rotary(config)
+        return RotaryEmbedding(torch.zeros(config.head_dim // 2, device="cpu"))  # no positions: a rotation by 0
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids) * self.config.family_options["embedding_multiplier"]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
+        logits = super().compute_logits(hidden)
         return None if logits is None else logits / self.config.family_options["logits_scaling"]
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], on_module_loaded: ModuleLoaded | None = None) -> None:
-        config = self.config
         loader = WeightLoader(self, on_module_loaded)
         for name, tensor in _canonical_names(_stacked_expert_names(weights)):  # experts one by one, under mlp.
-            if name == "lm_head.weight" and config.tie_word_embeddings:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             parts = name.split(".")
             prefix, module, leaf = ".".join(parts[:-2]), parts[-2] if len(parts) > 1 else "", parts[-1]
@@ -169,15 +150,12 @@ class GraniteHybridForCausalLM(nn.Module):
                 loader.load(name, self.vocab.of(tensor))
             else:
                 loader.load(name, tensor)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            loader.mark_loaded("lm_head.weight")
-        loader.check_complete()
+        self.finish_load(loader, self.model.embed_tokens)
 
     def _load_mamba(self, loader: WeightLoader, name: str, tensor: Any) -> None:
         prefix, _, leaf = name.partition(".mamba.")
         mixer = f"{prefix}.mamba"
-        values = tensor.dequantize(torch.float32) if isinstance(tensor, BlockTensor) else tensor
+        values = dense(tensor)
         if leaf == "conv1d.weight":
             loader.load(f"{mixer}.conv_weight", values.reshape(values.shape[0], -1))
         elif leaf == "conv1d.bias":

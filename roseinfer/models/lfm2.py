@@ -10,26 +10,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
-import torch
-from torch import nn
-
 from roseinfer.config import ModelConfig, RecurrentConfig
-from roseinfer.distributed.parallel_state import get_tp_group
-from roseinfer.layers.attention import AttentionMetadata
-from roseinfer.layers.norm import RMSNorm
-from roseinfer.layers.parallel import VocabParallelEmbedding
-from roseinfer.layers.quantization.gguf import BlockTensor
-from roseinfer.layers.recurrent import ShortConvParams, recurrence_class
-from roseinfer.layers.rotary import RotaryEmbedding, rope_frequencies
+from roseinfer.layers.recurrent import ShortConvParams
 from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
 from roseinfer.models.llama import (
     LLAMA_GGUF_GLOBAL_NAMES,
     LLAMA_GGUF_LAYER_NAMES,
-    LlamaAttention,
+    LlamaBackbone,
+    LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaMLP,
 )
-from roseinfer.models.weights import ModuleLoaded
+from roseinfer.models.weights import dense
 
 # Hugging Face's LFM2 names -> the Llama family's.
 _HF_RENAMES = (
@@ -47,37 +38,14 @@ _HF_RENAMES = (
 )
 
 
-class Lfm2DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__()
-        recurrent = config.recurrent
-        assert recurrent is not None
-        self.is_recurrent = layer in recurrent.layers
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        if self.is_recurrent:
-            self.conv = recurrence_class(recurrent.kind)(recurrent.params)
-        else:
-            self.self_attn = LlamaAttention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = LlamaMLP(config)
+class Lfm2DecoderLayer(LlamaDecoderLayer):
+    """Llama's layer whose recurrent layers mix tokens with the short convolution (`conv`)."""
 
-    def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rotations: torch.Tensor, cache: Any,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As LlamaDecoderLayer; `cache`: the layer's KV pool, or its convolution's state pool."""
-        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.conv(hidden, cache, meta) if self.is_recurrent else self.self_attn(hidden, rotations, cache, meta)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self.mlp(hidden), residual
+    recurrent_mixer = "conv"
 
 
-class Lfm2Backbone(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Lfm2DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+class Lfm2Backbone(LlamaBackbone):
+    layer_class = Lfm2DecoderLayer
 
 
 class Lfm2ForCausalLM(LlamaForCausalLM):
@@ -91,33 +59,18 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
     }
     gguf_global_names: ClassVar[dict[str, str]] = {**LLAMA_GGUF_GLOBAL_NAMES, "token_embd_norm": "model.embedding_norm"}
 
-    def __init__(self, config: ModelConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.tp = get_tp_group()
-        self.model = Lfm2Backbone(config)
-        self.vocab = self.model.embed_tokens.shard
-        self.lm_head = nn.Linear(config.hidden_size, self.vocab.rows, bias=False)
-        self.rotary = RotaryEmbedding.from_frequencies(
-            rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings),
-            config.head_dim,
-        )
+    backbone_class = Lfm2Backbone
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]], on_module_loaded: ModuleLoaded | None = None) -> None:
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """LFM2's names as the Llama family's (its loader fuses and reorders), the convolution
         kernel as [channels, kernel]."""
         kernel = self.config.recurrent.params.kernel
-
-        def renamed() -> Iterator[tuple[str, Any]]:
-            for name, tensor in weights:
-                for old, new in _HF_RENAMES:
-                    name = name.replace(old, new)
-                if name.endswith(".conv.conv_weight"):
-                    values = tensor.dequantize(torch.float32) if isinstance(tensor, BlockTensor) else tensor
-                    tensor = values.reshape(-1, kernel)
-                yield name, tensor
-
-        super().load_weights(renamed(), on_module_loaded)
+        for name, tensor in weights:
+            for old, new in _HF_RENAMES:
+                name = name.replace(old, new)
+            if name.endswith(".conv.conv_weight"):
+                tensor = dense(tensor).reshape(-1, kernel)
+            yield name, tensor
 
     # -- reading a checkpoint's config (models/hf_config.py and gguf_loader.py dispatch here) --
 

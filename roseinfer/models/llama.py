@@ -17,17 +17,14 @@ from torch import nn
 from roseinfer.config import ModelConfig
 from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.distributed.partition import partition
+from roseinfer.errors import ModelLoadError
 from roseinfer.layers.activation import silu_and_mul
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
 from roseinfer.layers.norm import RMSNorm
-from roseinfer.layers.parallel import VocabParallelEmbedding, gather_logits, take_shard
-from roseinfer.layers.rotary import (
-    RotaryEmbedding,
-    apply_rotary,
-    interleave_rotary_rows,
-    rope_frequencies,
-)
+from roseinfer.layers.parallel import take_shard
+from roseinfer.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rotary_rows
 from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
+from roseinfer.models.decoder import DecoderBackbone, DecoderForCausalLM, DecoderLayer
 from roseinfer.models.fused_decode import (
     DecodeExpertsSpec,
     DecodeLayerSpec,
@@ -94,36 +91,55 @@ class LlamaMLP(nn.Module):
         return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.self_attn = LlamaAttention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = LlamaMLP(config)
+class LlamaDecoderLayer(DecoderLayer):
+    """Llama's attention and SwiGLU MLP in the shared pre-norm layer (models/decoder.py)."""
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        rotations: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Takes and returns (this layer's input before its residual add, the residual stream):
-        the add is left to the next norm, which does both in one pass."""
-        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(hidden, rotations, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self.mlp(hidden), residual
+    def make_attention(self, config: ModelConfig, layer: int) -> nn.Module:
+        return LlamaAttention(config, layer)
+
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        return LlamaMLP(config)
 
 
-class LlamaBackbone(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+class LlamaBackbone(DecoderBackbone):
+    layer_class = LlamaDecoderLayer
+
+
+# Checkpoint modules whose rows are query or key heads, put in the rotary layout at load -> the
+# config's count of their heads (None: one head's width, a per-head q/k norm).
+_ROTATED_HEADS = {"q_proj": "num_heads", "k_proj": "num_kv_heads", "q_norm": None, "k_norm": None,
+                  "q_norm_full": "num_heads", "k_norm_full": "num_kv_heads"}
+# Checkpoint modules cut by heads under tensor parallelism -> (dim, start, size) of this rank's part,
+# from the attention module that holds them.
+_HEAD_ROWS = {
+    "q_proj": lambda attn: (0, attn.q_start, attn.q_size),
+    "k_proj": lambda attn: (0, attn.kv_start, attn.kv_size),
+    "v_proj": lambda attn: (0, attn.kv_start, attn.kv_size),
+    "o_proj": lambda attn: (1, attn.q_start, attn.q_size),
+    "q_norm_full": lambda attn: (0, attn.q_start, attn.q_size),  # OLMoE's norms span all heads
+    "k_norm_full": lambda attn: (0, attn.kv_start, attn.kv_size),
+}
+# MLP modules (dense, an expert's, a shared expert's) -> the dim their owner's columns are cut along.
+_MLP_ROWS = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}
+# Checkpoint modules that are row blocks of one fused matrix -> that matrix's module.
+_FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+               "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+# What LlamaForCausalLM's step runs around its layers: a subclass that changes one computes
+# something the fused step does not, unless it describes itself.
+_STEP_METHODS = ("forward", "embed_input_ids", "layer_rotations", "compute_logits")
+
+
+def runs_llama_step(model: nn.Module) -> bool:
+    return all(getattr(type(model), name) is getattr(LlamaForCausalLM, name) for name in _STEP_METHODS)
+
+
+def _first_row(owner: nn.Module, module: str) -> int:
+    """Where a fused part's rows start in its matrix (`owner`: the attention or MLP holding it)."""
+    if module in ("gate_proj", "up_proj"):
+        return 0 if module == "gate_proj" else owner.intermediate_size
+    return {"q_proj": 0, "k_proj": owner.q_size, "v_proj": owner.q_size + owner.kv_size}[module]
 
 
 # llama.cpp's tensor names -> Hugging Face's: per layer (blk.N.<name>) and outside the layers.
@@ -176,7 +192,7 @@ def decode_layer_spec(
     )
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderForCausalLM):
     # The checkpoints this class reads, for the loaders (models/registry.py gathers them): Hugging
     # Face model_type and GGUF general.architecture -> the architecture name of the registry.
     hf_model_types: ClassVar[dict[str, str]] = {
@@ -188,49 +204,13 @@ class LlamaForCausalLM(nn.Module):
     gguf_layer_prefix: ClassVar[str] = "model.layers"
     gguf_layer_names: ClassVar[dict[str, str]] = LLAMA_GGUF_LAYER_NAMES
     gguf_global_names: ClassVar[dict[str, str]] = LLAMA_GGUF_GLOBAL_NAMES
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.tp = get_tp_group()
-        self.model = LlamaBackbone(config)
-        self.vocab = self.model.embed_tokens.shard  # this rank's vocabulary rows
-        self.lm_head = nn.Linear(config.hidden_size, self.vocab.rows, bias=False)
-        rotary_dim = config.rotary_dim or config.head_dim
-        self.rotary = RotaryEmbedding.from_frequencies(
-            rope_frequencies(rotary_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings),
-            config.head_dim,
-        )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,  # instead of looking input_ids up (image rows spliced in)
-    ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] of a flattened batch (no padding)."""
-        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        rotations = self.rotary.rotations(positions, meta.long_rope)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rotations, kv_cache, meta)
-        return self.model.norm.add_and_norm(hidden, residual)[0]
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits over the whole vocabulary on rank 0 (None on the other ranks)."""
-        return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
+    backbone_class = LlamaBackbone
 
     def fused_decode_spec(self) -> DecodeModelSpec | None:
         """This model's decode step as a fused decoder computes it (models/fused_decode.py): what
         `forward` runs, layer by layer. None for a subclass that changes the forward, the logits
         or a layer's class without describing itself: it must not inherit Llama's description."""
-        llama = LlamaForCausalLM
-        if type(self).forward is not llama.forward or type(self).compute_logits is not llama.compute_logits:
+        if not runs_llama_step(self):
             return None
         if not all(type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
                    and type(layer.mlp) is LlamaMLP for layer in self.model.layers):
@@ -252,57 +232,59 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up into their shared matrices
         and putting q/k rows (and q/k norms) in the interleaved rotary layout; with tensor
-        parallelism, only this rank's slice of each."""
-        # (the first attention layer's sizes: a hybrid model's first layer may be recurrent, LFM2's)
-        attn = next(layer.self_attn for layer in self.model.layers if hasattr(layer, "self_attn"))
-        mlp = self.model.layers[0].mlp
-        tp_slices = {  # HF module name -> (dim, start, size) of this rank's part
-            "q_proj": (0, attn.q_start, attn.q_size),
-            "k_proj": (0, attn.kv_start, attn.kv_size),
-            "v_proj": (0, attn.kv_start, attn.kv_size),
-            "o_proj": (1, attn.q_start, attn.q_size),
-            "gate_proj": (0, mlp.start, mlp.intermediate_size),
-            "up_proj": (0, mlp.start, mlp.intermediate_size),
-            "down_proj": (1, mlp.start, mlp.intermediate_size),
-        }
-        shards = {  # HF module name -> (fused module name, first row in the fused matrix)
-            "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", attn.q_size),
-            "v_proj": ("qkv_proj", attn.q_size + attn.kv_size),
-            "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", mlp.intermediate_size),
-        }
+        parallelism, only this rank's slice of each. The families built on Llama's layers (MoE,
+        gpt-oss) load through this loop, naming their tensors as Llama's (`checkpoint_tensors`)."""
         loader = WeightLoader(self, on_module_loaded)
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+        for name, tensor in self.checkpoint_tensors(weights):
+            if self.skips_tensor(name):
                 continue
             parts = name.split(".")
             module = parts[-2] if len(parts) > 1 else ""
-            rotary_dim = self.config.rotary_dim
-            if module in ("q_proj", "q_norm"):
-                heads = self.config.num_heads if module == "q_proj" else 1
-                tensor = interleave_rotary_rows(tensor, heads, rotary_dim)
-            elif module in ("k_proj", "k_norm"):
-                heads = self.config.num_kv_heads if module == "k_proj" else 1
-                tensor = interleave_rotary_rows(tensor, heads, rotary_dim)
-            if module in tp_slices:
-                dim, start, size = tp_slices[module]
-                # A 1-D tensor here is a q/k/v bias (Qwen2): cut like its rows.
-                tensor = take_shard(tensor, dim if tensor.dim() == 2 else 0, start, size)
-            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-                tensor = self.vocab.of(tensor)
-            shard = shards.get(module)
-            if shard is None:
+            if module:
+                tensor = self.this_ranks_part(parts, self.rotary_layout(module, tensor))
+            fused = _FUSED_INTO.get(module)
+            if fused is None:
                 loader.load(name, tensor)
             else:
-                parts[-2] = shard[0]
-                loader.load_rows(".".join(parts), tensor, shard[1])
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            loader.mark_loaded("lm_head.weight")
-        loader.check_complete()
+                first = _first_row(self.owner_of(parts), module)
+                loader.load_rows(".".join([*parts[:-2], fused, parts[-1]]), tensor, first)
+        self.finish_load(loader, self.model.embed_tokens)
+
+    def owner_of(self, parts: list[str]) -> nn.Module:
+        """The module that holds a checkpoint tensor's module (its attention, its MLP)."""
+        try:
+            return self.get_submodule(".".join(parts[:-2]))
+        except AttributeError:
+            raise ModelLoadError(f"the checkpoint has a tensor {'.'.join(parts)!r} that the model does not use") from None
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        """The checkpoint's tensors under the names this loop knows (a family's spellings mapped)."""
+        return weights
+
+    def rotary_layout(self, module: str, tensor: Any) -> Any:
+        """q/k rows (and q/k norms) in the interleaved rotary layout."""
+        if module not in _ROTATED_HEADS:
+            return tensor
+        heads = _ROTATED_HEADS[module]
+        return interleave_rotary_rows(tensor, getattr(self.config, heads) if heads else 1, self.config.rotary_dim)
+
+    def this_ranks_part(self, parts: list[str], tensor: Any) -> Any:
+        """This rank's slice of a full checkpoint tensor (the whole tensor on one rank)."""
+        module = parts[-2]
+        if ".".join(parts) in ("model.embed_tokens.weight", "lm_head.weight"):
+            return self.vocab.of(tensor)
+        owner = None
+        if module in _HEAD_ROWS or module in _MLP_ROWS:
+            owner = self.get_submodule(".".join(parts[:-2]))
+        if module in _HEAD_ROWS:
+            dim, start, size = _HEAD_ROWS[module](owner)
+            if tensor.dim() == 1 and dim == 1:
+                return tensor  # a row-parallel projection's bias (gpt-oss's o_proj, one rank only)
+            # A 1-D tensor here is a q/k/v bias (Qwen2) or a norm over all heads (OLMoE): cut like its rows.
+            return take_shard(tensor, dim if tensor.dim() == 2 else 0, start, size)
+        if module in _MLP_ROWS:
+            return take_shard(tensor, _MLP_ROWS[module], owner.start, owner.intermediate_size)
+        return tensor
 
     # -- reading a checkpoint's config (models/hf_config.py and gguf_loader.py dispatch here) --
 

@@ -36,8 +36,7 @@ from roseinfer.errors import ModelLoadError
 from roseinfer.layers.activation import silu_and_mul
 from roseinfer.layers.attention import AttentionMetadata
 from roseinfer.layers.norm import RMSNorm
-from roseinfer.layers.parallel import take_shard
-from roseinfer.layers.rotary import apply_rotary, interleave_rotary_rows
+from roseinfer.layers.rotary import apply_rotary
 from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
 from roseinfer.models.fused_decode import DecodeExpertsSpec, DecodeModelSpec, QKNorm
 from roseinfer.models.llama import (
@@ -46,8 +45,8 @@ from roseinfer.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     decode_layer_spec,
+    runs_llama_step,
 )
-from roseinfer.models.weights import ModuleLoaded, WeightLoader
 
 
 class GatedMLP(nn.Module):
@@ -241,8 +240,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def fused_decode_spec(self) -> DecodeModelSpec | None:
         """Llama's description with each sparse layer's router and experts (and OLMoE's q/k norms
         over all heads); None where a subclass changed the forward, the logits or a layer's class."""
-        llama = LlamaForCausalLM
-        if type(self).forward is not llama.forward or type(self).compute_logits is not llama.compute_logits:
+        if not runs_llama_step(self):
             return None
         layers = []
         for layer in self.model.layers:
@@ -267,64 +265,13 @@ class MoeForCausalLM(LlamaForCausalLM):
             hidden_size=self.config.hidden_size,
         )
 
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], on_module_loaded: ModuleLoaded | None = None
-    ) -> None:
-        """Hugging Face-named tensors (one per expert, see `_canonical_names`), with q/k/v and
-        every gate/up pair fused and q/k rows (and q/k norms) in the interleaved rotary layout;
-        with tensor parallelism, only this rank's slice of each (as LlamaForCausalLM's)."""
-        config = self.config
-        attn = self.model.layers[0].self_attn
-        heads = {  # attention module -> (dim, start, size) of this rank's part
-            "q_proj": (0, attn.q_start, attn.q_size),
-            "k_proj": (0, attn.kv_start, attn.kv_size),
-            "v_proj": (0, attn.kv_start, attn.kv_size),
-            "o_proj": (1, attn.q_start, attn.q_size),
-        }
-        if config.qk_norm_full:  # OLMoE's norms span all heads: this rank's heads' part
-            heads |= {"q_norm": (0, attn.q_start, attn.q_size), "k_norm": (0, attn.kv_start, attn.kv_size)}
-        loader = WeightLoader(self, on_module_loaded)
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+        """One tensor per expert (see `_canonical_names`); OLMoE's q/k norms, which span all heads,
+        under the names of the norms that hold them (Llama's loop lays them out and cuts them)."""
         for name, tensor in _canonical_names(weights):
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue
-            parts = name.split(".")
-            module = parts[-2] if len(parts) > 1 else ""
-            if module == "q_proj":
-                tensor = interleave_rotary_rows(tensor, config.num_heads)
-            elif module == "k_proj":
-                tensor = interleave_rotary_rows(tensor, config.num_kv_heads)
-            elif module in ("q_norm", "k_norm"):
-                # Per head (Qwen3-MoE) or over all heads (OLMoE): the same reordering per head.
-                count = 1 if not config.qk_norm_full else config.num_heads if module == "q_norm" else config.num_kv_heads
-                tensor = interleave_rotary_rows(tensor, count)
-                if config.qk_norm_full:
-                    parts[-2] = f"{module}_full"
-            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-                tensor = self.vocab.of(tensor)
-            owner = None
-            if module in heads:
-                dim, start, size = heads[module]
-                # A 1-D tensor here is a q/k/v bias (Qwen2-MoE) or a norm: cut like its rows.
-                tensor = take_shard(tensor, dim if tensor.dim() == 2 else 0, start, size)
-            elif module in ("gate_proj", "up_proj", "down_proj"):  # an expert's, the shared one's, a dense MLP's
-                owner = self.get_submodule(".".join(parts[:-2]))
-                dim = 1 if module == "down_proj" else 0
-                tensor = take_shard(tensor, dim, owner.start, owner.intermediate_size)
-            if module in ("q_proj", "k_proj", "v_proj"):
-                first = {"q_proj": 0, "k_proj": attn.q_size, "v_proj": attn.q_size + attn.kv_size}[module]
-                parts[-2] = "qkv_proj"
-                loader.load_rows(".".join(parts), tensor, first)
-            elif module in ("gate_proj", "up_proj"):
-                parts[-2] = "gate_up_proj"
-                loader.load_rows(".".join(parts), tensor, 0 if module == "gate_proj" else owner.intermediate_size)
-            else:
-                loader.load(".".join(parts), tensor)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            loader.mark_loaded("lm_head.weight")
-        loader.check_complete()
+            if self.config.qk_norm_full:
+                name = name.replace(".q_norm.", ".q_norm_full.").replace(".k_norm.", ".k_norm_full.")
+            yield name, tensor
 
     # -- reading a checkpoint's config (models/hf_config.py and gguf_loader.py dispatch here) --
 

@@ -18,16 +18,15 @@ import torch
 from torch import nn
 
 from roseinfer.config import ModelConfig, RecurrentConfig
-from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.errors import ModelLoadError
 from roseinfer.layers.attention import AttentionMetadata
 from roseinfer.layers.norm import RMSNorm
-from roseinfer.layers.parallel import VocabParallelEmbedding, gather_logits
-from roseinfer.layers.quantization.gguf import BlockTensor
+from roseinfer.layers.parallel import VocabParallelEmbedding
 from roseinfer.layers.recurrent import Mamba2Params, recurrence_class
 from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
+from roseinfer.models.decoder import CausalLM
 from roseinfer.models.llama import LlamaAttention
-from roseinfer.models.weights import ModuleLoaded, WeightLoader
+from roseinfer.models.weights import ModuleLoaded, WeightLoader, dense
 
 _PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 _KINDS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
@@ -94,7 +93,7 @@ class NemotronHBackbone(nn.Module):
         self.norm_f = RMSNorm(config.hidden_size, config.norm_eps)
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(CausalLM):
     hf_model_types: ClassVar[dict[str, str]] = {"nemotron_h": "nemotron_h"}
     gguf_architectures: ClassVar[dict[str, str]] = {"nemotron_h": "nemotron_h"}
     gguf_layer_prefix: ClassVar[str] = "backbone.layers"
@@ -119,14 +118,11 @@ class NemotronHForCausalLM(nn.Module):
     }
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
         if config.recurrent is None or "blocks" not in config.family_options:
             raise ModelLoadError("Nemotron-H needs its block kinds (family_options['blocks']) and Mamba2 layers")
-        self.config = config
-        self.tp = get_tp_group()
+        super().__init__(config)
         self.backbone = NemotronHBackbone(config)
-        self.vocab = self.backbone.embeddings.shard
-        self.lm_head = nn.Linear(config.hidden_size, self.vocab.rows, bias=False)
+        self.add_lm_head(self.backbone.embeddings)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Any], meta: AttentionMetadata,
@@ -137,19 +133,13 @@ class NemotronHForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, cache, meta)
         return self.backbone.norm_f.add_and_norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
-
     def load_weights(self, weights: Iterable[tuple[str, Any]], on_module_loaded: ModuleLoaded | None = None) -> None:
         """Hugging Face-named tensors (or GGUF ones under those names, see gguf_layer_names): q/k/v
         fused, the Mamba2 parameters as Mamba2Mixer keeps them."""
-        config = self.config
         loader = WeightLoader(self, on_module_loaded)
         for name, tensor in weights:
-            if name == "lm_head.weight" and config.tie_word_embeddings:
+            if self.skips_tensor(name) or name.startswith("mtp."):  # mtp.: the MTP head (not run yet)
                 continue
-            if name.startswith("mtp."):
-                continue  # the MTP head (not run yet)
             parts = name.split(".")
             if parts[:2] == ["backbone", "layers"] and parts[3] == "mixer":
                 self._load_mixer(loader, ".".join(parts[:4]), ".".join(parts[4:]), tensor)
@@ -157,14 +147,11 @@ class NemotronHForCausalLM(nn.Module):
                 loader.load(name, self.vocab.of(tensor))
             else:
                 loader.load(name, tensor)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
-            loader.mark_loaded("lm_head.weight")
-        loader.check_complete()
+        self.finish_load(loader, self.backbone.embeddings)
 
     def _load_mixer(self, loader: WeightLoader, prefix: str, leaf: str, tensor: Any) -> None:
         mixer = self.get_submodule(prefix)
-        values = tensor.dequantize(torch.float32) if isinstance(tensor, BlockTensor) else tensor
+        values = dense(tensor)
         if leaf in ("q_proj.weight", "k_proj.weight", "v_proj.weight"):
             first = {"q": 0, "k": mixer.q_size, "v": mixer.q_size + mixer.kv_size}[leaf[0]]
             loader.load_rows(f"{prefix}.qkv_proj.weight", tensor, first)

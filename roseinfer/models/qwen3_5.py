@@ -26,24 +26,21 @@ import torch
 from torch import nn
 
 from roseinfer.config import ModelConfig, MoeConfig, RecurrentConfig
-from roseinfer.distributed.parallel_state import get_tp_group
 from roseinfer.errors import ModelLoadError
 from roseinfer.layers.attention import AttentionMetadata, PagedAttention
 from roseinfer.layers.norm import RMSNorm
-from roseinfer.layers.parallel import VocabParallelEmbedding, gather_logits
 from roseinfer.layers.quantization import permute_rows
 from roseinfer.layers.quantization.gguf import BlockTensor
-from roseinfer.layers.recurrent import GatedDeltaNetParams, recurrence_class
+from roseinfer.layers.recurrent import GatedDeltaNetParams
 from roseinfer.layers.rotary import (
-    RotaryEmbedding,
     apply_rotary,
     interleave_rotary_rows,
-    rope_frequencies,
 )
 from roseinfer.models.checkpoint_config import GGUFConfigSource, HFConfigSource
+from roseinfer.models.decoder import DecoderBackbone, DecoderForCausalLM, DecoderLayer
 from roseinfer.models.llama import LLAMA_GGUF_GLOBAL_NAMES, LLAMA_GGUF_LAYER_NAMES
 from roseinfer.models.moe import GatedMLP, MoeForCausalLM, SparseMoeBlock, _canonical_names
-from roseinfer.models.weights import ModuleLoaded, WeightLoader
+from roseinfer.models.weights import ModuleLoaded, WeightLoader, dense
 
 # The norms that scale by 1 + w (the Gated DeltaNet's own norm scales by w).
 _OFFSET_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "norm")
@@ -78,52 +75,30 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate))
 
 
-class HybridDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__()
-        recurrent = config.recurrent
-        assert recurrent is not None
-        self.is_recurrent = layer in recurrent.layers
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        if self.is_recurrent:
-            self.linear_attn = recurrence_class(recurrent.kind)(recurrent.params)
-        else:
-            self.self_attn = GatedAttention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+class HybridDecoderLayer(DecoderLayer):
+    """Gated DeltaNet (`linear_attn`) or gated full attention, then SwiGLU or experts."""
+
+    recurrent_mixer = "linear_attn"
+
+    def make_attention(self, config: ModelConfig, layer: int) -> nn.Module:
+        return GatedAttention(config)
+
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
         if config.moe is not None and layer not in config.moe.dense_layers:
-            self.mlp: nn.Module = SparseMoeBlock(config)
-        else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, reduce=True)
-
-    def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rotations: torch.Tensor,
-        cache: Any, meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As LlamaDecoderLayer: (this layer's output before its residual add, the residual);
-        `cache`: the layer's KV pool, or its recurrent state pools."""
-        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        if self.is_recurrent:
-            hidden = self.linear_attn(hidden, cache, meta)
-        else:
-            hidden = self.self_attn(hidden, rotations, cache, meta)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self.mlp(hidden), residual
+            return SparseMoeBlock(config)
+        return GatedMLP(config.hidden_size, config.intermediate_size, reduce=True)
 
 
-class HybridBackbone(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(HybridDecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+class HybridBackbone(DecoderBackbone):
+    layer_class = HybridDecoderLayer
 
 
 def _dense(tensor: torch.Tensor | BlockTensor) -> torch.Tensor:
     """A small parameter (conv kernel, decay rates) as float32 values, whatever its file type."""
-    return tensor.dequantize(torch.float32) if isinstance(tensor, BlockTensor) else tensor.float()
+    return dense(tensor).float()
 
 
-class Qwen35ForCausalLM(nn.Module):
+class Qwen35ForCausalLM(DecoderForCausalLM):
     hf_model_types: ClassVar[dict[str, str]] = {
         "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5",
         "qwen3_next": "qwen3_5",
@@ -151,35 +126,12 @@ class Qwen35ForCausalLM(nn.Module):
     gguf_global_names: ClassVar[dict[str, str]] = LLAMA_GGUF_GLOBAL_NAMES
     gguf_expert_tensors: ClassVar[dict[str, tuple[str, ...]]] = MoeForCausalLM.gguf_expert_tensors
 
+    backbone_class = HybridBackbone
+
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
         if config.recurrent is None:
             raise ModelLoadError("a hybrid model needs its recurrent layers (ModelConfig.recurrent)")
-        self.config = config
-        self.tp = get_tp_group()
-        self.model = HybridBackbone(config)
-        self.vocab = self.model.embed_tokens.shard
-        self.lm_head = nn.Linear(config.hidden_size, self.vocab.rows, bias=False)
-        rotary_dim = config.rotary_dim or config.head_dim
-        self.rotary = RotaryEmbedding.from_frequencies(
-            rope_frequencies(rotary_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings),
-            config.head_dim,
-        )
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Any], meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden]; `kv_caches`: per layer, its KV pool (attention) or
-        its state pools (recurrent), read at `meta.state_slots`."""
-        hidden = self.model.embed_tokens(input_ids)
-        rotations = self.rotary.rotations(positions)
-        residual = None
-        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rotations, cache, meta)
-        return self.model.norm.add_and_norm(hidden, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
+        super().__init__(config)
 
     # -- weights --------------------------------------------------------------------------
 
@@ -203,7 +155,7 @@ class Qwen35ForCausalLM(nn.Module):
         config = self.config
         loader = WeightLoader(self, on_module_loaded)
         for name, tensor in _canonical_names(self._text_weights(weights)):
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
+            if self.skips_tensor(name):
                 continue
             parts = name.split(".")
             if "linear_attn" in parts:
@@ -225,10 +177,7 @@ class Qwen35ForCausalLM(nn.Module):
                 loader.load(name, self.vocab.of(tensor))
             else:
                 loader.load(name, tensor)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            loader.mark_loaded("lm_head.weight")
-        loader.check_complete()
+        self.finish_load(loader, self.model.embed_tokens)
 
     def _load_attention(self, loader: WeightLoader, prefix: str, leaf: str, tensor: Any) -> None:
         config, attention = self.config, self.get_submodule(prefix)

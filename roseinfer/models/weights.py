@@ -116,5 +116,11 @@ class WeightLoader:
         return param
 
 
+def dense(tensor: torch.Tensor | BlockTensor) -> torch.Tensor:
+    """A tensor's values, dequantized to float32 where they came in blocks (a small parameter a
+    model reshapes or computes with at load: a conv kernel, decay rates, norms)."""
+    return tensor.dequantize(torch.float32) if isinstance(tensor, BlockTensor) else tensor
+
+
 def _module_of(param_name: str) -> str:
     return param_name.rpartition(".")[0]

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from roseinfer.server.protocol import bounded_nesting, known_kinds
+from roseinfer.server.protocol import bounded_nesting, kinds_checked
 
 
 class AnthropicRequestModel(BaseModel):
@@ -176,13 +176,9 @@ class ToolResultBlock(AnthropicRequestModel):
     cache_control: CacheControl | None = None
     toolset_name: None = None
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_blocks(cls, content: Any) -> Any:
-        if isinstance(content, list):
-            known_kinds(content, ("text", "tool_reference"), "content blocks", "block {i}", media=MEDIA_BLOCK_TYPES,
-                        why="a tool result reaches this model as text only")
-        return _blocks(_RESULT_BLOCKS, content)
+    _text_blocks = kinds_checked("content", ("text", "tool_reference"), "content blocks", "block {i}",
+                                 media=MEDIA_BLOCK_TYPES, why="a tool result reaches this model as text only",
+                                 then=lambda content: _blocks(_RESULT_BLOCKS, content))
 
     def text(self) -> str:
         # Blocks are joined by lines, as the chat route joins a message's text parts.
@@ -209,13 +205,9 @@ class InputMessage(AnthropicRequestModel):
     role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _known_block_types(cls, content: Any) -> Any:
-        if isinstance(content, list):
-            known_kinds(content, CONTENT_BLOCK_TYPES, "content blocks", "block {i}", media=MEDIA_BLOCK_TYPES,
-                        why="this server reads text and images only")
-        return _blocks(_CONTENT_BLOCKS, content)
+    _known_block_types = kinds_checked("content", CONTENT_BLOCK_TYPES, "content blocks", "block {i}",
+                                       media=MEDIA_BLOCK_TYPES, why="this server reads text and images only",
+                                       then=lambda content: _blocks(_CONTENT_BLOCKS, content))
 
     @model_validator(mode="after")
     def _blocks_fit_the_role(self) -> InputMessage:

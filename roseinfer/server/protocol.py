@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -172,6 +172,20 @@ def known_kinds(items: Sequence[Any], allowed: Sequence[str], what: str, where: 
             raise ValueError(f"{where.format(i=i)}: {kind!r} {what} cannot be given to this model: {why}")
         raise ValueError(f"{where.format(i=i)}: {what} of type {kind!r} are not supported by this server "
                          f"(it takes {', '.join(allowed)})")
+
+
+def kinds_checked(field: str, allowed: Sequence[str], what: str, where: str, media: Sequence[str] = (),
+                  why: str = "", then: Callable[[Any], Any] | None = None) -> Any:
+    """A request model's before-validator of a field that takes a string or a list of typed parts:
+    the list's kinds checked by `known_kinds`, then the value handed to `then` (if given) (assign
+    it to a class attribute, as `bounded_nesting`)."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, list):
+            known_kinds(value, allowed, what, where, media=media, why=why)
+        return value if then is None else then(value)
+
+    return field_validator(field, mode="before")(check)
 
 
 class SamplingFields(StrictModel):

@@ -32,6 +32,7 @@ from roseinfer.server.effort import Effort
 from roseinfer.server.protocol import (
     StrictModel,
     bounded_nesting,
+    kinds_checked,
     known_kinds,
     now,
 )
@@ -96,6 +97,15 @@ ContentPart = Annotated[InputText | Refusal | InputImage, Field(discriminator="t
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
+def _image_sources_checked(content: Any) -> Any:
+    """A message's `input_image` parts each name one source we can read (InputImage.check_source)."""
+    if isinstance(content, list):
+        for i, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "input_image":
+                InputImage.check_source(part, f"content[{i}]")
+    return content
+
+
 class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
@@ -104,16 +114,9 @@ class MessageItem(StrictModel):
     status: ItemStatus | None = None
     phase: Literal["commentary", "final_answer"] | None = None
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        if isinstance(content, list):
-            known_kinds(content, _TEXT_PARTS, "parts", "content[{i}]", media=_MEDIA_PARTS,
-                        why="this server reads text and images only")
-            for i, part in enumerate(content):
-                if isinstance(part, dict) and part.get("type") == "input_image":
-                    InputImage.check_source(part, f"content[{i}]")
-        return content
+    _text_parts_only = kinds_checked("content", _TEXT_PARTS, "parts", "content[{i}]", media=_MEDIA_PARTS,
+                                     why="this server reads text and images only",
+                                     then=lambda content: _image_sources_checked(content))
 
     def text(self) -> str:
         if isinstance(self.content, str):

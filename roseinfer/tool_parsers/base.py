@@ -146,3 +146,12 @@ def call_from_json(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall | No
     if not isinstance(arguments, dict):
         return None
     return ToolCall(name=value["name"], arguments=json.dumps(arguments, ensure_ascii=False))
+
+
+def partial_marker_length(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could be the beginning of `marker` (held back
+    while streaming until the next piece tells)."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0

@@ -5,7 +5,13 @@ calls as the parser does)."""
 
 from __future__ import annotations
 
-from roseinfer.tool_parsers.base import ContentDelta, Delta, ToolCallStream, ToolParser
+from roseinfer.tool_parsers.base import (
+    ContentDelta,
+    Delta,
+    ToolCallStream,
+    ToolParser,
+    partial_marker_length,
+)
 
 
 class HeldAfterMarkerStream(ToolCallStream):
@@ -26,7 +32,7 @@ class HeldAfterMarkerStream(ToolCallStream):
         if start >= 0:
             self._found, self._held = True, text[start:]
             return self._content(text[:start])
-        split = len(text) - _partial_length(text, self._marker)
+        split = len(text) - partial_marker_length(text, self._marker)
         self._held = text[split:]
         return self._content(text[:split])
 
@@ -52,10 +58,3 @@ class HeldAfterMarkerStream(ToolCallStream):
         self._sent += ready
         return [ContentDelta(ready)]
 
-
-def _partial_length(text: str, marker: str) -> int:
-    """How many characters at the end of `text` could begin `marker`."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0

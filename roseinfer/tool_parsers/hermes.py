@@ -18,6 +18,7 @@ from roseinfer.tool_parsers.base import (
     ToolCallStream,
     ToolParser,
     call_from_json,
+    partial_marker_length,
 )
 
 START, END = "<tool_call>", "</tool_call>"
@@ -97,7 +98,7 @@ class HermesToolCallStream(ToolCallStream):
             else:
                 start = text.find(START)
                 if start < 0:
-                    split = len(text) - _partial_tag_length(text)
+                    split = len(text) - partial_marker_length(text, START)
                     deltas += self._content(text[:split])
                     self._partial = text[split:]
                     break
@@ -128,10 +129,3 @@ class HermesToolCallStream(ToolCallStream):
         self._sent_content = True
         return [ContentDelta(ready)]
 
-
-def _partial_tag_length(text: str) -> int:
-    """How many characters at the end of `text` could be the beginning of a <tool_call> tag."""
-    for length in range(min(len(START) - 1, len(text)), 0, -1):
-        if START.startswith(text[-length:]):
-            return length
-    return 0
