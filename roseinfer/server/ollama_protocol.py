@@ -42,10 +42,11 @@ class OllamaModel(StrictModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
-class ChatBody(OllamaModel):
+class _GenerationBody(OllamaModel):
+    """What /api/chat and /api/generate share: the model, the output's format and options,
+    streaming, thinking and logprobs."""
+
     model: Annotated[str, Field(min_length=1)]
-    messages: list[dict[str, Any]] = Field(default_factory=list)
-    tools: list[dict[str, Any]] | None = None
     format: str | dict[str, Any] | None = None
     options: dict[str, Any] | None = None
     stream: bool = True
@@ -55,8 +56,12 @@ class ChatBody(OllamaModel):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
-class GenerateBody(OllamaModel):
-    model: Annotated[str, Field(min_length=1)]
+class ChatBody(_GenerationBody):
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateBody(_GenerationBody):
     prompt: str | None = None
     suffix: str | None = None
     system: str | None = None
@@ -64,13 +69,6 @@ class GenerateBody(OllamaModel):
     context: list[int] | None = None
     raw: bool = False
     images: list[str] | None = None
-    format: str | dict[str, Any] | None = None
-    options: dict[str, Any] | None = None
-    stream: bool = True
-    keep_alive: float | str | None = None
-    think: bool | str | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 class EmbedBody(OllamaModel):
